@@ -1,0 +1,79 @@
+// The one interface every decode backend implements and the server uses. The server
+// never knows which backend runs.
+//
+// An engine owns a fixed number of slots, set at load. A slot holds one sequence's
+// whole recurrent state (nothing grows with its length). A step feeds one token to
+// each of a set of slots and samples the next token for each of them.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+
+#include "model/config.h"
+
+namespace m3 {
+
+class ModelWeights;
+
+// In step(): feed the token this engine sampled for the slot at its previous step
+// (the device keeps it; nothing crosses to the host and back).
+inline constexpr int32_t kContinueToken = -1;
+
+struct SamplingParams {
+  float temperature = 0.0f;  // <= 0: greedy (argmax, lowest id on ties)
+  int32_t top_k = 0;         // 0: no limit
+  float top_p = 1.0f;        // keep the smallest top set whose probability reaches top_p
+  uint64_t seed = 0;         // with the slot's step counter, fixes every random draw
+};
+
+enum class WeightDType { F32, BF16 };
+std::string_view weight_dtype_name(WeightDType);
+bool parse_weight_dtype(std::string_view, WeightDType*);
+
+struct EngineOptions {
+  int max_slots = 1;
+  WeightDType weight_dtype = WeightDType::BF16;  // CUDA; the CPU engine always uses fp32
+  int device = 0;                                // CUDA device ordinal
+  int cpu_threads = 0;                           // CPU engine; 0 = hardware concurrency
+  bool use_graphs = true;                        // CUDA; off only for benchmarks/debugging
+};
+
+struct EngineStats {
+  uint64_t steps = 0;          // step() calls
+  uint64_t graph_replays = 0;  // CUDA graph launches (0 for the CPU engine)
+  uint64_t tokens = 0;         // slot-tokens processed
+};
+
+class Engine {
+ public:
+  virtual ~Engine() = default;
+
+  virtual std::string_view backend() const = 0;  // "cpu", "cuda"
+  virtual const ModelConfig& config() const = 0;
+  virtual int max_slots() const = 0;
+
+  // Zeroes the slot's state and its random-draw counter: a new sequence.
+  virtual void reset(int slot) = 0;
+  virtual void set_sampling(int slot, const SamplingParams& params) = 0;
+
+  // One token for each slot in `slots` (distinct, each < max_slots(), at most
+  // max_slots() of them). tokens[i] is the input of slots[i], or kContinueToken.
+  // sampled[i] receives the token sampled for slots[i] (ids < config().vocab_size).
+  // logits, when not empty, receives slots.size() rows of config().padded_vocab()
+  // floats. Throws std::invalid_argument on bad slots or token ids.
+  virtual void step(std::span<const int32_t> slots, std::span<const int32_t> tokens,
+                    std::span<int32_t> sampled, std::span<float> logits = {}) = 0;
+
+  virtual EngineStats stats() const = 0;
+};
+
+// backend: "cpu", "cuda", or "auto" (CUDA when built with it and a GPU is present).
+std::unique_ptr<Engine> make_engine(std::string_view backend, const ModelWeights& weights,
+                                    const EngineOptions& options);
+bool cuda_backend_available();  // built with CUDA and a device is visible
+
+}  // namespace m3
