@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Sets up, builds and runs every test. GPU tests skip (and say so) where no GPU is present.
+set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/setup.sh"
+m3_install_packages
+m3_build "$@"
+cd "$M3_BUILD_DIR"
+ctest --output-on-failure -j "$(nproc)" --timeout 600
