@@ -1,0 +1,387 @@
+#include "model/cpu_engine.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "model/cpu_ops.h"
+#include "model/cpu_sampling.h"
+#include "model/cpu_thread_pool.h"
+#include "model/weights.h"
+
+namespace m3 {
+namespace {
+
+// A checkpoint tensor widened to fp32, its element count checked against what the step
+// indexes (the loader checks shapes too; this keeps a bad loader from becoming an
+// out-of-bounds read).
+std::vector<float> load_f32(const TensorView& t, int64_t expected_numel) {
+  if (t.numel() != expected_numel) {
+    throw std::runtime_error("cpu engine: tensor " + t.name + " has " + std::to_string(t.numel()) +
+                             " elements " + t.shape_str() + ", the step needs " +
+                             std::to_string(expected_numel));
+  }
+  std::vector<float> out(static_cast<size_t>(expected_numel));
+  to_f32(t, out);
+  return out;
+}
+
+struct LayerWeights {
+  std::vector<float> norm, in_proj, dt_bias, D, B_bias, C_bias, B_norm, C_norm;
+  std::vector<float> mimo_x, mimo_z, mimo_o, out_norm, out_proj;
+  std::vector<float> norm2, fc1, fc2;  // empty without an MLP
+};
+
+class CpuEngine final : public Engine {
+ public:
+  CpuEngine(const ModelWeights& weights, const EngineOptions& options);
+
+  std::string_view backend() const override { return "cpu"; }
+  const ModelConfig& config() const override { return config_; }
+  int max_slots() const override { return max_slots_; }
+  void reset(int slot) override;
+  void set_sampling(int slot, const SamplingParams& params) override;
+  void step(std::span<const int32_t> slots, std::span<const int32_t> tokens,
+            std::span<int32_t> sampled, std::span<float> logits) override;
+  EngineStats stats() const override;
+
+ private:
+  void check_slot(int slot, const char* op) const;
+  void validate_step(std::span<const int32_t> slots, std::span<const int32_t> tokens,
+                     std::span<int32_t> sampled, std::span<float> logits);
+  void run_layer(int layer, int batch, std::span<const int32_t> slots);
+  cpu::MixerState slot_state(int slot, int layer);
+  // y[b, rows] = W x[b] for b < batch, rows split over the pool.
+  void matvec(const std::vector<float>& W, int in, int out, const float* x, int batch, float* y);
+
+  ModelConfig config_;
+  int max_slots_;
+  int d_model_, d_inner_, V_, F_;
+  cpu::MixerDims dims_;
+  cpu::InProjOffsets in_offsets_{};
+  int bc_offset_B_ = 0, bc_offset_C_ = 0, in_rows_ = 0;
+
+  std::vector<float> embedding_, norm_f_, lm_head_own_;
+  const float* lm_head_ = nullptr;  // embedding_ when tied, else lm_head_own_
+  std::vector<LayerWeights> layers_;
+
+  // Recurrent state: [slot][layer][angle | ssm | k_prev | x_prev].
+  int64_t state_per_layer_ = 0;
+  int64_t angle_off_ = 0, ssm_off_ = 0, k_prev_off_ = 0, x_prev_off_ = 0;
+  std::vector<float> state_;
+  std::vector<uint64_t> counter_;
+  std::vector<int32_t> last_sampled_;  // -1: nothing sampled since reset
+  std::vector<SamplingParams> params_;
+
+  // Activations of one step, indexed by position in the step's slot list.
+  std::vector<float> res_, normed_, hidden_, in_out_, B_normed_, C_normed_, mixer_out_;
+  std::vector<float> fc1_out_, mlp_act_, logits_;
+  std::vector<float> head_scratch_;  // per pool share
+  int head_scratch_floats_ = 0;
+  std::vector<SamplingScratch> sampling_scratch_;  // per position
+  std::vector<int32_t> inputs_;
+  std::vector<uint64_t> seen_stamp_;  // duplicate-slot check without clearing
+  uint64_t stamp_ = 0;
+
+  std::atomic<uint64_t> steps_{0}, tokens_{0};
+  CpuThreadPool pool_;
+};
+
+CpuEngine::CpuEngine(const ModelWeights& weights, const EngineOptions& options)
+    : config_(weights.config()), max_slots_(options.max_slots), pool_(options.cpu_threads) {
+  if (max_slots_ < 1) {
+    throw std::invalid_argument("cpu engine: max_slots must be >= 1, got " +
+                                std::to_string(max_slots_));
+  }
+  const ModelConfig& c = config_;
+  if (!c.ssm.is_mimo) {
+    throw std::runtime_error("cpu engine: " + weights.dir().string() +
+                             ": only MIMO Mamba-3 models are supported (ssm_cfg.is_mimo is false)");
+  }
+  if (c.ssm.ngroups != 1) {
+    throw std::runtime_error("cpu engine: " + weights.dir().string() + ": ngroups must be 1, got " +
+                             std::to_string(c.ssm.ngroups));
+  }
+  d_model_ = c.d_model;
+  d_inner_ = c.d_inner();
+  V_ = c.padded_vocab();
+  F_ = c.has_mlp() ? c.mlp_width() : 0;
+  dims_.H = c.n_heads();
+  dims_.P = c.ssm.headdim;
+  dims_.N = c.ssm.d_state;
+  dims_.R = c.ssm.mimo_rank;
+  dims_.S = c.n_angles();
+  dims_.outproj_norm = c.ssm.is_outproj_norm;
+  dims_.A_floor = static_cast<float>(c.ssm.A_floor);
+  dims_.eps = ModelConfig::kNormEps;
+  const auto layout = c.in_proj_layout();
+  in_offsets_ = {layout.z, layout.x, layout.dd_dt, layout.dd_A, layout.trap, layout.ang};
+  bc_offset_B_ = layout.B;
+  bc_offset_C_ = layout.C;
+  in_rows_ = layout.total;
+
+  const int H = dims_.H, P = dims_.P, N = dims_.N, R = dims_.R;
+  embedding_ = load_f32(weights.tensor("backbone.embedding.weight"), int64_t{V_} * d_model_);
+  norm_f_ = load_f32(weights.tensor("backbone.norm_f.weight"), d_model_);
+  const TensorView& head = weights.lm_head();
+  const TensorView& emb = weights.tensor("backbone.embedding.weight");
+  if (head.data == emb.data) {
+    lm_head_ = embedding_.data();
+  } else {
+    lm_head_own_ = load_f32(head, int64_t{V_} * d_model_);
+    lm_head_ = lm_head_own_.data();
+  }
+  layers_.resize(static_cast<size_t>(c.n_layer));
+  for (int i = 0; i < c.n_layer; ++i) {
+    LayerWeights& l = layers_[static_cast<size_t>(i)];
+    const auto get = [&](const char* suffix, int64_t n) {
+      return load_f32(weights.layer(i, suffix), n);
+    };
+    l.norm = get("norm.weight", d_model_);
+    l.in_proj = get("mixer.in_proj.weight", int64_t{in_rows_} * d_model_);
+    l.dt_bias = get("mixer.dt_bias", H);
+    l.D = get("mixer.D", H);
+    l.B_bias = get("mixer.B_bias", int64_t{H} * R * N);
+    l.C_bias = get("mixer.C_bias", int64_t{H} * R * N);
+    l.B_norm = get("mixer.B_norm.weight", N);
+    l.C_norm = get("mixer.C_norm.weight", N);
+    l.mimo_x = get("mixer.mimo_x", int64_t{H} * R * P);
+    l.mimo_z = get("mixer.mimo_z", int64_t{H} * R * P);
+    l.mimo_o = get("mixer.mimo_o", int64_t{H} * R * P);
+    if (dims_.outproj_norm) l.out_norm = get("mixer.norm.weight", d_inner_);
+    l.out_proj = get("mixer.out_proj.weight", int64_t{d_model_} * d_inner_);
+    if (F_ > 0) {
+      l.norm2 = get("norm2.weight", d_model_);
+      l.fc1 = get("mlp.fc1.weight", int64_t{2} * F_ * d_model_);
+      l.fc2 = get("mlp.fc2.weight", int64_t{d_model_} * F_);
+    }
+  }
+
+  angle_off_ = 0;
+  ssm_off_ = angle_off_ + int64_t{H} * dims_.S;
+  k_prev_off_ = ssm_off_ + int64_t{H} * P * N;
+  x_prev_off_ = k_prev_off_ + int64_t{R} * H * N;
+  state_per_layer_ = x_prev_off_ + int64_t{H} * P;
+  const size_t slots = static_cast<size_t>(max_slots_);
+  state_.assign(slots * static_cast<size_t>(c.n_layer * state_per_layer_), 0.0f);
+  counter_.assign(slots, 0);
+  last_sampled_.assign(slots, -1);
+  params_.assign(slots, SamplingParams{});
+
+  res_.resize(slots * d_model_);
+  normed_.resize(slots * d_model_);
+  hidden_.resize(slots * d_model_);
+  in_out_.resize(slots * static_cast<size_t>(in_rows_));
+  B_normed_.resize(slots * static_cast<size_t>(R * N));
+  C_normed_.resize(slots * static_cast<size_t>(R * N));
+  mixer_out_.resize(slots * static_cast<size_t>(d_inner_));
+  fc1_out_.resize(slots * static_cast<size_t>(2 * F_));
+  mlp_act_.resize(slots * static_cast<size_t>(F_));
+  logits_.resize(slots * static_cast<size_t>(V_));
+  head_scratch_floats_ = cpu::mixer_head_scratch_floats(dims_);
+  head_scratch_.resize(static_cast<size_t>(pool_.threads()) * head_scratch_floats_);
+  sampling_scratch_.reserve(slots);
+  for (size_t i = 0; i < slots; ++i) sampling_scratch_.emplace_back(c.vocab_size);
+  inputs_.resize(slots);
+  seen_stamp_.assign(slots, 0);
+}
+
+void CpuEngine::check_slot(int slot, const char* op) const {
+  if (slot < 0 || slot >= max_slots_) {
+    throw std::invalid_argument(std::string(op) + ": slot " + std::to_string(slot) +
+                                " out of range [0, " + std::to_string(max_slots_) + ")");
+  }
+}
+
+void CpuEngine::reset(int slot) {
+  check_slot(slot, "reset");
+  const int64_t per_slot = config_.n_layer * state_per_layer_;
+  std::fill_n(state_.begin() + slot * per_slot, per_slot, 0.0f);
+  counter_[static_cast<size_t>(slot)] = 0;
+  last_sampled_[static_cast<size_t>(slot)] = -1;
+}
+
+void CpuEngine::set_sampling(int slot, const SamplingParams& params) {
+  check_slot(slot, "set_sampling");
+  validate_sampling_params(params, "set_sampling: slot " + std::to_string(slot));
+  params_[static_cast<size_t>(slot)] = params;
+}
+
+EngineStats CpuEngine::stats() const {
+  EngineStats s;
+  s.steps = steps_.load(std::memory_order_relaxed);
+  s.tokens = tokens_.load(std::memory_order_relaxed);
+  return s;
+}
+
+void CpuEngine::validate_step(std::span<const int32_t> slots, std::span<const int32_t> tokens,
+                              std::span<int32_t> sampled, std::span<float> logits) {
+  if (slots.size() > static_cast<size_t>(max_slots_)) {
+    throw std::invalid_argument("step: " + std::to_string(slots.size()) + " slots, max_slots is " +
+                                std::to_string(max_slots_));
+  }
+  if (tokens.size() != slots.size()) {
+    throw std::invalid_argument("step: tokens has " + std::to_string(tokens.size()) +
+                                " entries, slots has " + std::to_string(slots.size()));
+  }
+  if (sampled.size() != slots.size()) {
+    throw std::invalid_argument("step: sampled has " + std::to_string(sampled.size()) +
+                                " entries, slots has " + std::to_string(slots.size()));
+  }
+  if (!logits.empty() && logits.size() != slots.size() * static_cast<size_t>(V_)) {
+    throw std::invalid_argument("step: logits has " + std::to_string(logits.size()) +
+                                " floats, need " + std::to_string(slots.size()) + " x padded vocab " +
+                                std::to_string(V_) + " (or empty)");
+  }
+  ++stamp_;
+  for (size_t i = 0; i < slots.size(); ++i) {
+    const int slot = slots[i];
+    check_slot(slot, "step");
+    if (seen_stamp_[static_cast<size_t>(slot)] == stamp_) {
+      throw std::invalid_argument("step: slot " + std::to_string(slot) + " listed twice");
+    }
+    seen_stamp_[static_cast<size_t>(slot)] = stamp_;
+    const int32_t token = tokens[i];
+    if (token == kContinueToken) {
+      if (last_sampled_[static_cast<size_t>(slot)] < 0) {
+        throw std::invalid_argument("step: slot " + std::to_string(slot) +
+                                    " has no sampled token to continue from (kContinueToken "
+                                    "right after reset)");
+      }
+    } else if (token < 0 || token >= config_.vocab_size) {
+      throw std::invalid_argument("step: slot " + std::to_string(slot) + ": token " +
+                                  std::to_string(token) + " outside [0, " +
+                                  std::to_string(config_.vocab_size) + ")");
+    }
+  }
+}
+
+cpu::MixerState CpuEngine::slot_state(int slot, int layer) {
+  float* base = state_.data() + (int64_t{slot} * config_.n_layer + layer) * state_per_layer_;
+  return {base + angle_off_, base + ssm_off_, base + k_prev_off_, base + x_prev_off_};
+}
+
+void CpuEngine::matvec(const std::vector<float>& W, int in, int out, const float* x, int batch,
+                       float* y) {
+  const float* w = W.data();
+  pool_.run(out, [=](int64_t begin, int64_t end, int) {
+    cpu::matvec_rows(w, in, out, static_cast<int>(begin), static_cast<int>(end), x, batch, y);
+  });
+}
+
+void CpuEngine::run_layer(int layer, int batch, std::span<const int32_t> slots) {
+  const LayerWeights& l = layers_[static_cast<size_t>(layer)];
+  const float eps = ModelConfig::kNormEps;
+  const int RN = dims_.R * dims_.N;
+
+  for (int b = 0; b < batch; ++b) {
+    float* res = res_.data() + int64_t{b} * d_model_;
+    const float* h = hidden_.data() + int64_t{b} * d_model_;
+    for (int i = 0; i < d_model_; ++i) res[i] += h[i];
+    cpu::rmsnorm(res, l.norm.data(), d_model_, eps, normed_.data() + int64_t{b} * d_model_);
+  }
+  matvec(l.in_proj, d_model_, in_rows_, normed_.data(), batch, in_out_.data());
+
+  for (int b = 0; b < batch; ++b) {
+    const float* w = in_out_.data() + int64_t{b} * in_rows_;
+    for (int r = 0; r < dims_.R; ++r) {
+      cpu::rmsnorm(w + bc_offset_B_ + r * dims_.N, l.B_norm.data(), dims_.N, eps,
+                   B_normed_.data() + int64_t{b} * RN + r * dims_.N);
+      cpu::rmsnorm(w + bc_offset_C_ + r * dims_.N, l.C_norm.data(), dims_.N, eps,
+                   C_normed_.data() + int64_t{b} * RN + r * dims_.N);
+    }
+  }
+
+  const cpu::MixerParams params{l.dt_bias.data(), l.D.data(),      l.B_bias.data(),
+                                l.C_bias.data(),  l.mimo_x.data(), l.mimo_z.data(),
+                                l.mimo_o.data(),  dims_.outproj_norm ? l.out_norm.data() : nullptr};
+  const int H = dims_.H;
+  pool_.run(int64_t{batch} * H, [&](int64_t begin, int64_t end, int share) {
+    float* scratch = head_scratch_.data() + int64_t{share} * head_scratch_floats_;
+    for (int64_t item = begin; item < end; ++item) {
+      const int b = static_cast<int>(item / H), h = static_cast<int>(item % H);
+      cpu::MixerState state = slot_state(slots[static_cast<size_t>(b)], layer);
+      cpu::mixer_head_step(dims_, params, in_offsets_, in_out_.data() + int64_t{b} * in_rows_,
+                           B_normed_.data() + int64_t{b} * RN, C_normed_.data() + int64_t{b} * RN,
+                           h, state, scratch, mixer_out_.data() + int64_t{b} * d_inner_);
+    }
+  });
+  matvec(l.out_proj, d_inner_, d_model_, mixer_out_.data(), batch, hidden_.data());
+
+  if (F_ > 0) {
+    for (int b = 0; b < batch; ++b) {
+      float* res = res_.data() + int64_t{b} * d_model_;
+      const float* h = hidden_.data() + int64_t{b} * d_model_;
+      for (int i = 0; i < d_model_; ++i) res[i] += h[i];
+      cpu::rmsnorm(res, l.norm2.data(), d_model_, eps, normed_.data() + int64_t{b} * d_model_);
+    }
+    matvec(l.fc1, d_model_, 2 * F_, normed_.data(), batch, fc1_out_.data());
+    for (int b = 0; b < batch; ++b) {
+      cpu::gated_silu(fc1_out_.data() + int64_t{b} * 2 * F_, F_, mlp_act_.data() + int64_t{b} * F_);
+    }
+    matvec(l.fc2, F_, d_model_, mlp_act_.data(), batch, hidden_.data());
+  }
+}
+
+void CpuEngine::step(std::span<const int32_t> slots, std::span<const int32_t> tokens,
+                     std::span<int32_t> sampled, std::span<float> logits) {
+  validate_step(slots, tokens, sampled, logits);
+  const int batch = static_cast<int>(slots.size());
+  if (batch == 0) return;
+
+  for (int b = 0; b < batch; ++b) {
+    const int32_t t = tokens[static_cast<size_t>(b)];
+    const int32_t token = t == kContinueToken ? last_sampled_[static_cast<size_t>(slots[b])] : t;
+    // The residual stream starts at zero so that layer 0's "res = h + res" is just h.
+    std::fill_n(res_.begin() + int64_t{b} * d_model_, d_model_, 0.0f);
+    std::copy_n(embedding_.begin() + int64_t{token} * d_model_, d_model_,
+                hidden_.begin() + int64_t{b} * d_model_);
+  }
+  for (int layer = 0; layer < config_.n_layer; ++layer) run_layer(layer, batch, slots);
+
+  for (int b = 0; b < batch; ++b) {
+    float* res = res_.data() + int64_t{b} * d_model_;
+    const float* h = hidden_.data() + int64_t{b} * d_model_;
+    for (int i = 0; i < d_model_; ++i) res[i] += h[i];
+    cpu::rmsnorm(res, norm_f_.data(), d_model_, ModelConfig::kNormEps,
+                 normed_.data() + int64_t{b} * d_model_);
+  }
+  const float* head = lm_head_;
+  float* out = logits_.data();
+  const float* x = normed_.data();
+  const int V = V_, d = d_model_;
+  pool_.run(V, [=](int64_t begin, int64_t end, int) {
+    cpu::matvec_rows(head, d, V, static_cast<int>(begin), static_cast<int>(end), x, batch, out);
+  });
+
+  pool_.run(batch, [&](int64_t begin, int64_t end, int) {
+    for (int64_t b = begin; b < end; ++b) {
+      const size_t slot = static_cast<size_t>(slots[static_cast<size_t>(b)]);
+      const std::span<const float> row(logits_.data() + b * V_, static_cast<size_t>(V_));
+      sampled[static_cast<size_t>(b)] =
+          sample_token(row, config_.vocab_size, params_[slot], counter_[slot],
+                       sampling_scratch_[static_cast<size_t>(b)]);
+    }
+  });
+  for (int b = 0; b < batch; ++b) {
+    const size_t slot = static_cast<size_t>(slots[static_cast<size_t>(b)]);
+    last_sampled_[slot] = sampled[static_cast<size_t>(b)];
+    ++counter_[slot];
+  }
+  if (!logits.empty()) {
+    std::memcpy(logits.data(), logits_.data(), sizeof(float) * static_cast<size_t>(batch) * V_);
+  }
+  steps_.fetch_add(1, std::memory_order_relaxed);
+  tokens_.fetch_add(static_cast<uint64_t>(batch), std::memory_order_relaxed);
+}
+
+}  // namespace
+
+std::unique_ptr<Engine> make_cpu_engine(const ModelWeights& weights, const EngineOptions& options) {
+  return std::make_unique<CpuEngine>(weights, options);
+}
+
+}  // namespace m3

@@ -1,0 +1,143 @@
+#include "model/cpu_ops.h"
+
+#include <algorithm>
+#include <cmath>
+
+namespace m3::cpu {
+namespace {
+
+float silu(float v) { return v / (1.0f + std::exp(-v)); }
+float sigmoid(float v) { return 1.0f / (1.0f + std::exp(-v)); }
+// As torch.nn.functional.softplus: linear above 20, where log1p(exp(v)) == v in fp32.
+float softplus(float v) { return v > 20.0f ? v : std::log1p(std::exp(v)); }
+
+// Rotates the pairs (i, i + N/2), i < S, of v by angles with cosines c and sines s.
+void rotate_halves(float* v, int N, int S, const float* c, const float* s) {
+  const int half = N / 2;
+  for (int i = 0; i < S; ++i) {
+    const float a = v[i], b = v[i + half];
+    v[i] = a * c[i] - b * s[i];
+    v[i + half] = a * s[i] + b * c[i];
+  }
+}
+
+}  // namespace
+
+void rmsnorm(const float* v, const float* weight, int n, float eps, float* out) {
+  const float mean_square = dot(v, v, n) / static_cast<float>(n);
+  const float inv = 1.0f / std::sqrt(mean_square + eps);
+  for (int i = 0; i < n; ++i) out[i] = v[i] * inv * weight[i];
+}
+
+float dot(const float* a, const float* b, int n) {
+  float acc[8] = {};
+  int i = 0;
+  for (; i + 8 <= n; i += 8) {
+    for (int k = 0; k < 8; ++k) acc[k] += a[i + k] * b[i + k];
+  }
+  for (; i < n; ++i) acc[i & 7] += a[i] * b[i];
+  return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+}
+
+void matvec_rows(const float* W, int in, int out_rows, int row_begin, int row_end,
+                 const float* x, int batch, float* y) {
+  for (int j = row_begin; j < row_end; ++j) {
+    const float* row = W + static_cast<int64_t>(j) * in;
+    for (int b = 0; b < batch; ++b) {
+      y[static_cast<int64_t>(b) * out_rows + j] = dot(row, x + static_cast<int64_t>(b) * in, in);
+    }
+  }
+}
+
+void gated_silu(const float* fc1_out, int F, float* out) {
+  for (int i = 0; i < F; ++i) out[i] = fc1_out[i] * silu(fc1_out[F + i]);
+}
+
+int mixer_head_scratch_floats(const MixerDims& d) {
+  return 2 * d.R * d.N + 4 * d.R * d.P + 2 * d.S;
+}
+
+void mixer_head_step(const MixerDims& d, const MixerParams& p, const InProjOffsets& layout,
+                     const float* w, const float* B_normed, const float* C_normed, int h,
+                     MixerState& state, float* scratch, float* o) {
+  const int H = d.H, P = d.P, N = d.N, R = d.R, S = d.S;
+  float* k = scratch;          // [R, N]
+  float* q = k + R * N;        // [R, N]
+  float* xv = q + R * N;       // [R, P]  x * mimo_x
+  float* gx = xv + R * P;      // [R, P]  gamma * xv
+  float* bx = gx + R * P;      // [R, P]  beta * x_prev * mimo_x
+  float* y = bx + R * P;       // [R, P]
+  float* cosines = y + R * P;  // [S]
+  float* sines = cosines + S;  // [S]
+
+  const float dt = softplus(w[layout.dd_dt + h] + p.dt_bias[h]);
+  const float dd_A = w[layout.dd_A + h];
+  const float A = std::min(-(std::max(dd_A, 0.0f) + 1.0f / (1.0f - std::min(dd_A, 0.0f))),
+                           -d.A_floor);
+  const float trap = sigmoid(w[layout.trap + h]);
+
+  float* angle = state.angle + static_cast<int64_t>(h) * S;
+  for (int s = 0; s < S; ++s) {
+    const float theta = angle[s] + std::tanh(w[layout.ang + s]) * dt * kPi;
+    angle[s] = theta;
+    cosines[s] = std::cos(theta);
+    sines[s] = std::sin(theta);
+  }
+  for (int r = 0; r < R; ++r) {
+    const float* bb = p.B_bias + (static_cast<int64_t>(h) * R + r) * N;
+    const float* cb = p.C_bias + (static_cast<int64_t>(h) * R + r) * N;
+    for (int n = 0; n < N; ++n) {
+      k[r * N + n] = B_normed[r * N + n] + bb[n];
+      q[r * N + n] = C_normed[r * N + n] + cb[n];
+    }
+    rotate_halves(k + r * N, N, S, cosines, sines);
+    rotate_halves(q + r * N, N, S, cosines, sines);
+  }
+
+  const float alpha = std::exp(A * dt);
+  const float beta = (1.0f - trap) * dt * alpha;
+  const float gamma = trap * dt;
+  const float* x = w + layout.x + static_cast<int64_t>(h) * P;
+  const float* z = w + layout.z + static_cast<int64_t>(h) * P;
+  float* x_prev = state.x_prev + static_cast<int64_t>(h) * P;
+  for (int r = 0; r < R; ++r) {
+    const float* mx = p.mimo_x + (static_cast<int64_t>(h) * R + r) * P;
+    for (int i = 0; i < P; ++i) {
+      xv[r * P + i] = x[i] * mx[i];
+      gx[r * P + i] = gamma * xv[r * P + i];
+      bx[r * P + i] = beta * (x_prev[i] * mx[i]);
+    }
+  }
+
+  float* ssm = state.ssm + static_cast<int64_t>(h) * P * N;
+  const float D = p.D[h];
+  for (int i = 0; i < P; ++i) {
+    float* row = ssm + static_cast<int64_t>(i) * N;
+    for (int n = 0; n < N; ++n) row[n] *= alpha;
+    for (int r = 0; r < R; ++r) {
+      const float g = gx[r * P + i], b = bx[r * P + i];
+      const float* kr = k + r * N;
+      const float* kp = state.k_prev + (static_cast<int64_t>(r) * H + h) * N;
+      for (int n = 0; n < N; ++n) row[n] += g * kr[n] + b * kp[n];
+    }
+    for (int r = 0; r < R; ++r) y[r * P + i] = dot(row, q + r * N, N) + D * xv[r * P + i];
+  }
+  for (int r = 0; r < R; ++r) {
+    std::copy(k + r * N, k + (r + 1) * N, state.k_prev + (static_cast<int64_t>(r) * H + h) * N);
+  }
+  std::copy(x, x + P, x_prev);
+
+  if (d.outproj_norm) {
+    const float* nw = p.norm + static_cast<int64_t>(h) * P;
+    for (int r = 0; r < R; ++r) rmsnorm(y + r * P, nw, P, d.eps, y + r * P);
+  }
+  float* out = o + static_cast<int64_t>(h) * P;
+  std::fill(out, out + P, 0.0f);
+  for (int r = 0; r < R; ++r) {
+    const float* mz = p.mimo_z + (static_cast<int64_t>(h) * R + r) * P;
+    const float* mo = p.mimo_o + (static_cast<int64_t>(h) * R + r) * P;
+    for (int i = 0; i < P; ++i) out[i] += y[r * P + i] * silu(z[i] * mz[i]) * mo[i];
+  }
+}
+
+}  // namespace m3::cpu

@@ -1,0 +1,62 @@
+// make_engine(): the one place that knows which backends exist.
+#include <stdexcept>
+#include <string>
+
+#include "model/cpu_engine.h"
+#include "model/engine.h"
+#if defined(M3_WITH_CUDA)
+#include "model/cuda_engine.h"
+#endif
+
+namespace m3 {
+
+std::string_view weight_dtype_name(WeightDType dtype) {
+  switch (dtype) {
+    case WeightDType::F32: return "fp32";
+    case WeightDType::BF16: return "bf16";
+  }
+  return "unknown";
+}
+
+bool parse_weight_dtype(std::string_view name, WeightDType* out) {
+  if (name == "fp32") {
+    *out = WeightDType::F32;
+  } else if (name == "bf16") {
+    *out = WeightDType::BF16;
+  } else {
+    return false;
+  }
+  return true;
+}
+
+bool cuda_backend_available() {
+#if defined(M3_WITH_CUDA)
+  return cuda_device_count() > 0;
+#else
+  return false;
+#endif
+}
+
+std::unique_ptr<Engine> make_engine(std::string_view backend, const ModelWeights& weights,
+                                    const EngineOptions& options) {
+  if (backend == "cpu") return make_cpu_engine(weights, options);
+  if (backend == "cuda" || backend == "auto") {
+#if defined(M3_WITH_CUDA)
+    if (cuda_device_count() > 0) return make_cuda_engine(weights, options);
+    if (backend == "cuda") {
+      throw std::runtime_error("make_engine: backend \"cuda\" requested but no CUDA device is visible");
+    }
+#else
+    if (backend == "cuda") {
+      throw std::runtime_error(
+          "make_engine: backend \"cuda\" requested but this build has no CUDA support "
+          "(nvcc was not found at configure time)");
+    }
+#endif
+    return make_cpu_engine(weights, options);
+  }
+  throw std::invalid_argument("make_engine: unknown backend \"" + std::string(backend) +
+                              "\" (expected cpu, cuda or auto)");
+}
+
+}  // namespace m3
