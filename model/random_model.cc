@@ -113,7 +113,10 @@ void write_random_model(const ModelConfig& config, uint64_t seed, DType dtype,
   const ModelConfig& c = config;
   const int64_t d = c.d_model, di = c.d_inner(), H = c.n_heads(), R = c.ssm.mimo_rank,
                 N = c.ssm.d_state, P = c.ssm.headdim, V = c.padded_vocab(), F = c.mlp_width();
-  const double residual_scale = 1.0 / std::sqrt(2.0 * c.n_layer);  // outputs added to the residual
+  // Mixer/MLP outputs reach about residual_scale RMS, well above the embedding's RMS: with
+  // a tied head a residual dominated by the token's own embedding would make "repeat
+  // the input" the only likely output.
+  const double residual_scale = 1.0 / std::sqrt(2.0 * c.n_layer);
   // Tied: the same matrix embeds and projects; logits' spread ~ std * sqrt(d_model).
   const double embed_std = 2.0 / std::sqrt(static_cast<double>(d));
 
