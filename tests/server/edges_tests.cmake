@@ -1,0 +1,42 @@
+# Tests of the server's edges (H5): tokenizer shim, metrics, clients. Included from
+# tests/server/CMakeLists.txt.
+
+if(TARGET m3_server_metrics)
+  add_executable(m3_metrics_test ${CMAKE_CURRENT_LIST_DIR}/metrics_test.cc)
+  target_link_libraries(m3_metrics_test PRIVATE m3_server_metrics GTest::gtest_main)
+  gtest_discover_tests(m3_metrics_test)
+endif()
+
+find_program(M3_SPM_TRAIN spm_train)
+if(TARGET m3_spm AND M3_SPM_TRAIN)
+  # A tiny model trained at test time (well under a second): nothing binary in git.
+  set(M3_TEST_SPM_DIR ${CMAKE_CURRENT_BINARY_DIR}/spm)
+  file(MAKE_DIRECTORY ${M3_TEST_SPM_DIR})
+  add_test(NAME tokenizer.train_tiny_model
+    COMMAND ${M3_SPM_TRAIN}
+      --input=${CMAKE_CURRENT_LIST_DIR}/data/spm_corpus.txt
+      --model_prefix=${M3_TEST_SPM_DIR}/tiny
+      --vocab_size=320 --hard_vocab_limit=false --byte_fallback=true
+      --character_coverage=0.98 --model_type=unigram --minloglevel=2)
+  set_tests_properties(tokenizer.train_tiny_model PROPERTIES FIXTURES_SETUP m3_spm_model)
+
+  # Shims a tokenizer must refuse.
+  add_library(m3_test_partial_shim SHARED ${CMAKE_CURRENT_LIST_DIR}/fake_spm_shim.cc)
+  add_library(m3_test_future_shim SHARED ${CMAKE_CURRENT_LIST_DIR}/fake_spm_shim.cc)
+  target_compile_definitions(m3_test_future_shim PRIVATE M3_FAKE_SHIM_COMPLETE=1)
+
+  # Links gRPC and protobuf on purpose: the process DEPENDENCY_NOTES.md says crashes
+  # when SentencePiece is linked plainly.
+  add_executable(m3_tokenizer_test ${CMAKE_CURRENT_LIST_DIR}/tokenizer_test.cc)
+  target_link_libraries(m3_tokenizer_test PRIVATE m3_tokenizer m3_proto GTest::gtest_main)
+  add_dependencies(m3_tokenizer_test m3_spm m3_test_partial_shim m3_test_future_shim)
+  target_compile_definitions(m3_tokenizer_test PRIVATE
+    M3_TEST_SPM_SHIM="$<TARGET_FILE:m3_spm>"
+    M3_TEST_PARTIAL_SHIM="$<TARGET_FILE:m3_test_partial_shim>"
+    M3_TEST_FUTURE_SHIM="$<TARGET_FILE:m3_test_future_shim>"
+    M3_TEST_SPM_MODEL="${M3_TEST_SPM_DIR}/tiny.model"
+    M3_TEST_SPM_VOCAB="${M3_TEST_SPM_DIR}/tiny.vocab")
+  gtest_discover_tests(m3_tokenizer_test PROPERTIES FIXTURES_REQUIRED m3_spm_model)
+else()
+  message(STATUS "m3serve: no sentencepiece shim or spm_train; tokenizer tests not built")
+endif()
