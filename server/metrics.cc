@@ -1,0 +1,140 @@
+#include "server/metrics.h"
+
+#include <prometheus/counter.h>
+#include <prometheus/exposer.h>
+#include <prometheus/gauge.h>
+#include <prometheus/histogram.h>
+#include <prometheus/registry.h>
+#include <prometheus/text_serializer.h>
+
+#include <cmath>
+#include <stdexcept>
+
+namespace m3 {
+namespace {
+
+// Doubling bucket bounds from `first` seconds: a decode step takes tens of microseconds
+// on a GPU and milliseconds on a CPU, a request up to minutes; doubling keeps the
+// quantile error under 2x everywhere with ~20 series per histogram.
+prometheus::Histogram::BucketBoundaries doubling_buckets(double first, int count) {
+  prometheus::Histogram::BucketBoundaries bounds;
+  bounds.reserve(count);
+  for (int i = 0; i < count; ++i) bounds.push_back(first * std::ldexp(1.0, i));
+  return bounds;
+}
+
+prometheus::Histogram& add_histogram(prometheus::Registry& registry, const std::string& name,
+                                     const std::string& help,
+                                     const prometheus::Histogram::BucketBoundaries& bounds) {
+  return prometheus::BuildHistogram().Name(name).Help(help).Register(registry).Add({}, bounds);
+}
+
+}  // namespace
+
+ServerMetrics::ServerMetrics(const std::string& bind_address)
+    : registry_(std::make_shared<prometheus::Registry>()) {
+  auto& registry = *registry_;
+  // 50 us .. ~13 s.
+  const auto token_buckets = doubling_buckets(50e-6, 19);
+  // 1 ms .. ~262 s.
+  const auto request_buckets = doubling_buckets(1e-3, 19);
+
+  time_to_first_token_ = &add_histogram(
+      registry, "m3serve_time_to_first_token_seconds",
+      "From a request's arrival to its first generated token (includes queueing and prefill)",
+      token_buckets);
+  inter_token_latency_ = &add_histogram(
+      registry, "m3serve_inter_token_latency_seconds",
+      "Time between consecutive generated tokens of one stream", token_buckets);
+  request_duration_ = &add_histogram(registry, "m3serve_request_duration_seconds",
+                                     "From a request's arrival to its end", request_buckets);
+
+  tokens_generated_ = &prometheus::BuildCounter()
+                           .Name("m3serve_tokens_generated_total")
+                           .Help("Tokens generated and sent to clients")
+                           .Register(registry)
+                           .Add({});
+  graph_replays_ = &prometheus::BuildCounter()
+                        .Name("m3serve_graph_replays_total")
+                        .Help("CUDA graph launches of the decode step (0 on the CPU backend)")
+                        .Register(registry)
+                        .Add({});
+  auto& requests = prometheus::BuildCounter()
+                       .Name("m3serve_requests_total")
+                       .Help("Finished requests (Generate calls and Converse turns) by final status")
+                       .Register(registry);
+  for (size_t i = 0; i < kRequestStatuses.size(); ++i) {
+    requests_by_status_[i] = &requests.Add({{"status", std::string(kRequestStatuses[i])}});
+  }
+
+  active_sequences_ = &prometheus::BuildGauge()
+                           .Name("m3serve_active_sequences")
+                           .Help("Sequences holding an engine slot")
+                           .Register(registry)
+                           .Add({});
+  queue_depth_ = &prometheus::BuildGauge()
+                      .Name("m3serve_queue_depth")
+                      .Help("Requests waiting for a free slot")
+                      .Register(registry)
+                      .Add({});
+  batch_size_ = &prometheus::BuildGauge()
+                     .Name("m3serve_batch_size")
+                     .Help("Slots fed in the latest engine step")
+                     .Register(registry)
+                     .Add({});
+
+  if (!bind_address.empty()) {
+    try {
+      exposer_ = std::make_unique<prometheus::Exposer>(bind_address);
+    } catch (const std::exception& e) {
+      throw std::runtime_error("metrics: cannot serve /metrics on " + bind_address + ": " +
+                               e.what());
+    }
+    exposer_->RegisterCollectable(registry_);
+  }
+}
+
+ServerMetrics::~ServerMetrics() = default;
+
+void ServerMetrics::observe_time_to_first_token(double seconds) {
+  time_to_first_token_->Observe(seconds);
+}
+void ServerMetrics::observe_inter_token_latency(double seconds) {
+  inter_token_latency_->Observe(seconds);
+}
+void ServerMetrics::observe_request_duration(double seconds) { request_duration_->Observe(seconds); }
+
+void ServerMetrics::add_tokens_generated(uint64_t n) {
+  tokens_generated_->Increment(static_cast<double>(n));
+}
+
+void ServerMetrics::count_request(std::string_view final_status) {
+  size_t index = kRequestStatuses.size() - 1;  // "unknown"
+  for (size_t i = 0; i < kRequestStatuses.size(); ++i) {
+    if (kRequestStatuses[i] == final_status) {
+      index = i;
+      break;
+    }
+  }
+  requests_by_status_[index]->Increment();
+}
+
+void ServerMetrics::add_graph_replays(uint64_t n) {
+  graph_replays_->Increment(static_cast<double>(n));
+}
+
+void ServerMetrics::set_active_sequences(int n) { active_sequences_->Set(n); }
+void ServerMetrics::set_queue_depth(int n) { queue_depth_->Set(n); }
+void ServerMetrics::set_batch_size(int n) { batch_size_->Set(n); }
+
+std::string ServerMetrics::serialize() const {
+  return prometheus::TextSerializer().Serialize(registry_->Collect());
+}
+
+int ServerMetrics::exposer_port() const {
+  if (!exposer_) return 0;
+  const auto ports = exposer_->GetListeningPorts();
+  return ports.empty() ? 0 : ports.front();
+}
+
+}  // namespace m3
