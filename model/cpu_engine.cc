@@ -126,12 +126,11 @@ CpuEngine::CpuEngine(const ModelWeights& weights, const EngineOptions& options)
   const int H = dims_.H, P = dims_.P, N = dims_.N, R = dims_.R;
   embedding_ = load_f32(weights.tensor("backbone.embedding.weight"), int64_t{V_} * d_model_);
   norm_f_ = load_f32(weights.tensor("backbone.norm_f.weight"), d_model_);
-  const TensorView& head = weights.lm_head();
-  const TensorView& emb = weights.tensor("backbone.embedding.weight");
-  if (head.data == emb.data) {
+  // Tied: one fp32 copy serves both (the loader checked a stored lm_head.weight is equal).
+  if (c.tie_embeddings) {
     lm_head_ = embedding_.data();
   } else {
-    lm_head_own_ = load_f32(head, int64_t{V_} * d_model_);
+    lm_head_own_ = load_f32(weights.lm_head(), int64_t{V_} * d_model_);
     lm_head_ = lm_head_own_.data();
   }
   layers_.resize(static_cast<size_t>(c.n_layer));
