@@ -1,6 +1,16 @@
 # Tests of the server's edges (H5): tokenizer shim, metrics, clients. Included from
 # tests/server/CMakeLists.txt.
 
+if(TARGET m3cli AND TARGET m3_bench_serve)
+  # m3cli runs as a subprocess; run_bench_serve() is called in-process.
+  add_executable(m3_clients_test ${CMAKE_CURRENT_LIST_DIR}/clients_test.cc)
+  target_link_libraries(m3_clients_test PRIVATE
+    m3_bench_serve m3_client_support nlohmann_json::nlohmann_json GTest::gtest_main)
+  add_dependencies(m3_clients_test m3cli)
+  target_compile_definitions(m3_clients_test PRIVATE M3_TEST_M3CLI="$<TARGET_FILE:m3cli>")
+  gtest_discover_tests(m3_clients_test)
+endif()
+
 if(TARGET m3_server_metrics)
   add_executable(m3_metrics_test ${CMAKE_CURRENT_LIST_DIR}/metrics_test.cc)
   target_link_libraries(m3_metrics_test PRIVATE m3_server_metrics GTest::gtest_main)

@@ -1,0 +1,159 @@
+#include "server/tools/client_support.h"
+
+#include <algorithm>
+#include <charconv>
+#include <cmath>
+
+namespace m3::client {
+
+Flags::Flags(const std::vector<std::string>& args,
+             const std::vector<std::string_view>& value_options,
+             const std::vector<std::string_view>& switches) {
+  auto known = [](const std::vector<std::string_view>& list, std::string_view name) {
+    return std::find(list.begin(), list.end(), name) != list.end();
+  };
+  for (size_t i = 0; i < args.size(); ++i) {
+    const std::string& arg = args[i];
+    if (arg.rfind("--", 0) != 0 || arg == "--") {
+      positional_.push_back(arg);
+      continue;
+    }
+    std::string name = arg.substr(2);
+    std::optional<std::string> value;
+    if (const auto eq = name.find('='); eq != std::string::npos) {
+      value = name.substr(eq + 1);
+      name.resize(eq);
+    }
+    if (known(switches, name)) {
+      if (value) throw UsageError("--" + name + " takes no value");
+      values_[name] = "1";
+    } else if (known(value_options, name)) {
+      if (!value) {
+        if (i + 1 >= args.size()) throw UsageError("--" + name + " needs a value");
+        value = args[++i];
+      }
+      values_[name] = *value;
+    } else {
+      throw UsageError("unknown option --" + name);
+    }
+  }
+}
+
+bool Flags::has(std::string_view name) const { return values_.find(name) != values_.end(); }
+
+std::optional<std::string> Flags::find(std::string_view name) const {
+  const auto it = values_.find(name);
+  if (it == values_.end()) return std::nullopt;
+  return it->second;
+}
+
+std::string Flags::get(std::string_view name, const std::string& fallback) const {
+  return find(name).value_or(fallback);
+}
+
+int64_t Flags::get_int(std::string_view name, int64_t fallback, int64_t min, int64_t max) const {
+  const auto text = find(name);
+  if (!text) return fallback;
+  int64_t value = 0;
+  const auto [end, error] = std::from_chars(text->data(), text->data() + text->size(), value);
+  if (error != std::errc() || end != text->data() + text->size()) {
+    throw UsageError("--" + std::string(name) + ": '" + *text + "' is not an integer");
+  }
+  if (value < min || value > max) {
+    throw UsageError("--" + std::string(name) + ": " + *text + " is outside [" +
+                     std::to_string(min) + ", " + std::to_string(max) + "]");
+  }
+  return value;
+}
+
+double Flags::get_double(std::string_view name, double fallback) const {
+  const auto text = find(name);
+  if (!text) return fallback;
+  size_t used = 0;
+  double value = 0;
+  try {
+    value = std::stod(*text, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  if (used == 0 || used != text->size() || !std::isfinite(value)) {
+    throw UsageError("--" + std::string(name) + ": '" + *text + "' is not a number");
+  }
+  return value;
+}
+
+std::vector<int32_t> parse_id_list(std::string_view text) {
+  std::vector<int32_t> ids;
+  size_t i = 0;
+  while (i < text.size()) {
+    if (text[i] == ',' || text[i] == ' ' || text[i] == '\t') {
+      ++i;
+      continue;
+    }
+    size_t end = i;
+    while (end < text.size() && text[end] != ',' && text[end] != ' ' && text[end] != '\t') ++end;
+    const std::string_view item = text.substr(i, end - i);
+    int32_t id = 0;
+    const auto [stop, error] = std::from_chars(item.data(), item.data() + item.size(), id);
+    if (error != std::errc() || stop != item.data() + item.size()) {
+      throw UsageError("'" + std::string(item) + "' is not a token id");
+    }
+    ids.push_back(id);
+    i = end;
+  }
+  if (ids.empty()) throw UsageError("no token ids in '" + std::string(text) + "'");
+  return ids;
+}
+
+bool looks_like_id_list(std::string_view text) {
+  bool digit = false;
+  for (const char c : text) {
+    if (c >= '0' && c <= '9') {
+      digit = true;
+    } else if (c != ',' && c != ' ' && c != '\t' && c != '-') {
+      return false;
+    }
+  }
+  return digit;
+}
+
+std::shared_ptr<grpc::Channel> connect(const std::string& address,
+                                       std::chrono::milliseconds wait) {
+  auto channel = grpc::CreateChannel(address, grpc::InsecureChannelCredentials());
+  if (!channel->WaitForConnected(std::chrono::system_clock::now() + wait)) {
+    throw std::runtime_error("cannot reach the server at " + address + " (no connection within " +
+                             std::to_string(wait.count()) + " ms; is m3serve running there?)");
+  }
+  return channel;
+}
+
+std::string_view status_code_name(grpc::StatusCode code) {
+  switch (code) {
+    case grpc::StatusCode::OK: return "OK";
+    case grpc::StatusCode::CANCELLED: return "CANCELLED";
+    case grpc::StatusCode::UNKNOWN: return "UNKNOWN";
+    case grpc::StatusCode::INVALID_ARGUMENT: return "INVALID_ARGUMENT";
+    case grpc::StatusCode::DEADLINE_EXCEEDED: return "DEADLINE_EXCEEDED";
+    case grpc::StatusCode::NOT_FOUND: return "NOT_FOUND";
+    case grpc::StatusCode::ALREADY_EXISTS: return "ALREADY_EXISTS";
+    case grpc::StatusCode::PERMISSION_DENIED: return "PERMISSION_DENIED";
+    case grpc::StatusCode::RESOURCE_EXHAUSTED: return "RESOURCE_EXHAUSTED";
+    case grpc::StatusCode::FAILED_PRECONDITION: return "FAILED_PRECONDITION";
+    case grpc::StatusCode::ABORTED: return "ABORTED";
+    case grpc::StatusCode::OUT_OF_RANGE: return "OUT_OF_RANGE";
+    case grpc::StatusCode::UNIMPLEMENTED: return "UNIMPLEMENTED";
+    case grpc::StatusCode::INTERNAL: return "INTERNAL";
+    case grpc::StatusCode::UNAVAILABLE: return "UNAVAILABLE";
+    case grpc::StatusCode::DATA_LOSS: return "DATA_LOSS";
+    case grpc::StatusCode::UNAUTHENTICATED: return "UNAUTHENTICATED";
+    default: return "UNRECOGNIZED";
+  }
+}
+
+std::string describe(const grpc::Status& status) {
+  std::string text(status_code_name(status.error_code()));
+  if (!status.error_message().empty()) text += ": " + status.error_message();
+  return text;
+}
+
+}  // namespace m3::client

@@ -1,0 +1,58 @@
+// What m3cli and m3bench serve share: command-line flags, token id lists, connecting to
+// a server with a clear error, and naming gRPC statuses.
+#pragma once
+
+#include <grpcpp/grpcpp.h>
+
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace m3::client {
+
+// A mistake on the command line: the tools print it with their usage and exit 2.
+class UsageError : public std::invalid_argument {
+ public:
+  using std::invalid_argument::invalid_argument;
+};
+
+// "--name value" / "--name=value" options and bare words, checked against the options a
+// command knows (value options take a value; switches do not).
+class Flags {
+ public:
+  Flags(const std::vector<std::string>& args, const std::vector<std::string_view>& value_options,
+        const std::vector<std::string_view>& switches);
+
+  const std::vector<std::string>& positional() const { return positional_; }
+  bool has(std::string_view name) const;
+  std::string get(std::string_view name, const std::string& fallback) const;
+  int64_t get_int(std::string_view name, int64_t fallback, int64_t min, int64_t max) const;
+  double get_double(std::string_view name, double fallback) const;
+  std::optional<std::string> find(std::string_view name) const;
+
+ private:
+  std::map<std::string, std::string, std::less<>> values_;
+  std::vector<std::string> positional_;
+};
+
+// "1,2,3" or "1 2 3" (commas and/or spaces). Throws UsageError naming the bad item.
+std::vector<int32_t> parse_id_list(std::string_view text);
+// True when `text` holds only digits, commas, spaces and minus signs, and a digit.
+bool looks_like_id_list(std::string_view text);
+
+// An insecure channel to `address`, connected within `wait`; otherwise throws
+// std::runtime_error "cannot reach the server at <address> (...)".
+std::shared_ptr<grpc::Channel> connect(const std::string& address,
+                                       std::chrono::milliseconds wait);
+
+std::string_view status_code_name(grpc::StatusCode code);  // "UNAVAILABLE"
+// "UNAVAILABLE: <message>".
+std::string describe(const grpc::Status& status);
+
+}  // namespace m3::client

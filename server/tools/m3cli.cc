@@ -1,0 +1,372 @@
+// m3cli: a command-line client for m3serve. Streams tokens as they arrive and prints
+// timings (to stderr, so stdout holds only the model's output).
+#include <grpcpp/generic/generic_stub.h>
+#include <grpcpp/grpcpp.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <future>
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include "m3serve.grpc.pb.h"
+#include "server/tools/client_support.h"
+
+namespace {
+
+using m3::client::Flags;
+using m3::client::UsageError;
+using Clock = std::chrono::steady_clock;
+
+constexpr const char* kUsage = R"(usage: m3cli [--server host:port] <command> [options]
+
+commands:
+  generate --ids 1,2,3 | --text "..."   stream one continuation
+      [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P] [--seed S]
+      [--stop 7,8] [--request-id ID] [--ids-only]
+  converse [same sampling options] [--session-id ID]
+      each stdin line is one turn (token ids like "1,2,3", or text); the reply streams back
+  info                                   the served model
+  health [--service NAME]                grpc.health.v1 Check; exit 0 only when SERVING
+
+common options:
+  --server host:port        default 127.0.0.1:50051
+  --connect-timeout S       seconds to wait for a connection (default 5)
+  --timeout S               deadline of the call in seconds (default: none; health: 5)
+)";
+
+const std::vector<std::string_view> kCommonOptions = {"server", "connect-timeout", "timeout"};
+const std::vector<std::string_view> kSamplingOptions = {
+    "max-new-tokens", "temperature", "top-k", "top-p", "seed", "stop"};
+
+std::vector<std::string_view> options(std::vector<std::string_view> extra,
+                                      const std::vector<std::string_view>& more = {}) {
+  extra.insert(extra.end(), kCommonOptions.begin(), kCommonOptions.end());
+  extra.insert(extra.end(), more.begin(), more.end());
+  return extra;
+}
+
+double ms_since(Clock::time_point start) {
+  return std::chrono::duration<double, std::milli>(Clock::now() - start).count();
+}
+
+std::chrono::milliseconds seconds_flag(const Flags& flags, std::string_view name, double fallback) {
+  const double seconds = flags.get_double(name, fallback);
+  if (seconds < 0) throw UsageError("--" + std::string(name) + " must not be negative");
+  return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
+}
+
+void set_deadline(grpc::ClientContext* context, const Flags& flags, double fallback_s) {
+  const auto timeout = seconds_flag(flags, "timeout", fallback_s);
+  if (timeout.count() > 0) context->set_deadline(std::chrono::system_clock::now() + timeout);
+}
+
+std::shared_ptr<grpc::Channel> connect(const Flags& flags) {
+  return m3::client::connect(flags.get("server", "127.0.0.1:50051"),
+                             seconds_flag(flags, "connect-timeout", 5.0));
+}
+
+void fill_sampling(const Flags& flags, m3serve::v1::SamplingParams* sampling) {
+  sampling->set_temperature(static_cast<float>(flags.get_double("temperature", 0.0)));
+  sampling->set_top_k(static_cast<int32_t>(flags.get_int("top-k", 0, 0, INT32_MAX)));
+  if (flags.has("top-p")) sampling->set_top_p(static_cast<float>(flags.get_double("top-p", 1.0)));
+  if (flags.has("seed")) sampling->set_seed(static_cast<uint64_t>(flags.get_int("seed", 0, 0, INT64_MAX)));
+}
+
+template <typename Repeated>
+void add_stop_ids(const Flags& flags, Repeated* stop_ids) {
+  if (const auto stop = flags.find("stop")) {
+    for (int32_t id : m3::client::parse_id_list(*stop)) stop_ids->Add(id);
+  }
+}
+
+std::string_view finish_reason_name(m3serve::v1::FinishReason reason) {
+  switch (reason) {
+    case m3serve::v1::FINISH_REASON_LENGTH: return "length";
+    case m3serve::v1::FINISH_REASON_STOP: return "stop";
+    case m3serve::v1::FINISH_REASON_CANCELLED: return "cancelled (server shutting down)";
+    default: return "unspecified";
+  }
+}
+
+// Writes one Tokens message to stdout at once: its text when the server sent some (and
+// ids were not asked for), else its ids.
+class TokenPrinter {
+ public:
+  explicit TokenPrinter(bool ids_only) : ids_only_(ids_only) {}
+
+  void print(const m3serve::v1::Tokens& tokens) {
+    if (!ids_only_ && !tokens.text().empty()) {
+      std::fwrite(tokens.text().data(), 1, tokens.text().size(), stdout);
+    } else {
+      for (int32_t id : tokens.ids()) std::printf(printed_ ? " %d" : "%d", id), printed_ = true;
+    }
+    std::fflush(stdout);
+  }
+  void end_line() {
+    std::fputc('\n', stdout);
+    std::fflush(stdout);
+    printed_ = false;
+  }
+
+ private:
+  bool ids_only_;
+  bool printed_ = false;
+};
+
+void print_timings(const m3serve::v1::Timings& t, double client_ttft_ms, double client_total_ms) {
+  std::fprintf(stderr,
+               "prompt %u tokens, generated %u tokens\n"
+               "server: queue %.2f ms, time to first token %.2f ms, duration %.2f ms, %.1f tokens/s\n",
+               t.prompt_tokens(), t.generated_tokens(), t.queue_ms(), t.time_to_first_token_ms(),
+               t.duration_ms(), t.tokens_per_second());
+  if (client_ttft_ms >= 0) {
+    std::fprintf(stderr, "client: time to first token %.2f ms, total %.2f ms\n", client_ttft_ms,
+                 client_total_ms);
+  } else {
+    std::fprintf(stderr, "client: no tokens, total %.2f ms\n", client_total_ms);
+  }
+}
+
+int fail_rpc(std::string_view what, const grpc::Status& status) {
+  std::fprintf(stderr, "m3cli: %.*s failed: %s\n", static_cast<int>(what.size()), what.data(),
+               m3::client::describe(status).c_str());
+  return 1;
+}
+
+int run_generate(const Flags& flags) {
+  m3serve::v1::GenerateRequest request;
+  if (flags.has("ids") == flags.has("text")) throw UsageError("generate needs exactly one of --ids or --text");
+  if (const auto ids = flags.find("ids")) {
+    for (int32_t id : m3::client::parse_id_list(*ids)) request.mutable_prompt_ids()->add_ids(id);
+  } else {
+    request.set_prompt_text(flags.get("text", ""));
+  }
+  request.set_max_new_tokens(static_cast<uint32_t>(flags.get_int("max-new-tokens", 64, 1, UINT32_MAX)));
+  request.set_request_id(flags.get("request-id", ""));
+  fill_sampling(flags, request.mutable_sampling());
+  add_stop_ids(flags, request.mutable_stop_token_ids());
+
+  auto stub = m3serve::v1::M3Serve::NewStub(connect(flags));
+  grpc::ClientContext context;
+  set_deadline(&context, flags, 0);
+  const auto start = Clock::now();
+  auto reader = stub->Generate(&context, request);
+
+  TokenPrinter printer(flags.has("ids-only"));
+  double first_token_ms = -1;
+  m3serve::v1::GenerateResponse response;
+  std::optional<m3serve::v1::Finished> finished;
+  while (reader->Read(&response)) {
+    if (response.has_tokens()) {
+      if (first_token_ms < 0) first_token_ms = ms_since(start);
+      printer.print(response.tokens());
+    } else if (response.has_finished()) {
+      finished = response.finished();
+    }
+  }
+  const grpc::Status status = reader->Finish();
+  const double total_ms = ms_since(start);
+  printer.end_line();
+  if (!status.ok()) return fail_rpc("Generate", status);
+  if (!finished) {
+    std::fprintf(stderr, "m3cli: the stream ended without a Finished message\n");
+    return 1;
+  }
+  std::fprintf(stderr, "finished: %s, request %s, seed %llu\n",
+               std::string(finish_reason_name(finished->reason())).c_str(),
+               finished->request_id().c_str(), static_cast<unsigned long long>(finished->seed()));
+  print_timings(finished->timings(), first_token_ms, total_ms);
+  return 0;
+}
+
+int run_converse(const Flags& flags) {
+  m3serve::v1::ConverseRequest config;
+  auto* session = config.mutable_config();
+  session->set_session_id(flags.get("session-id", ""));
+  session->set_max_new_tokens(static_cast<uint32_t>(flags.get_int("max-new-tokens", 64, 1, UINT32_MAX)));
+  fill_sampling(flags, session->mutable_sampling());
+  add_stop_ids(flags, session->mutable_stop_token_ids());
+
+  auto stub = m3serve::v1::M3Serve::NewStub(connect(flags));
+  grpc::ClientContext context;
+  set_deadline(&context, flags, 0);
+  auto stream = stub->Converse(&context);
+  TokenPrinter printer(flags.has("ids-only"));
+  const bool interactive = isatty(STDIN_FILENO);
+
+  bool open = stream->Write(config);
+  std::string line;
+  while (open) {
+    if (interactive) std::fprintf(stderr, "> ");
+    if (!std::getline(std::cin, line)) break;
+    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+    if (!line.empty() && line.back() == '\r') line.pop_back();
+
+    m3serve::v1::ConverseRequest input;
+    bool as_ids = m3::client::looks_like_id_list(line);
+    if (as_ids) {
+      try {
+        for (int32_t id : m3::client::parse_id_list(line)) input.mutable_input()->add_ids(id);
+      } catch (const UsageError&) {
+        as_ids = false;  // e.g. "-" between words: it is text
+      }
+    }
+    if (!as_ids) input.set_input_text(line);
+    m3serve::v1::ConverseRequest end_turn;
+    end_turn.mutable_end_turn();
+    const auto start = Clock::now();
+    if (!stream->Write(input) || !stream->Write(end_turn)) {
+      open = false;
+      break;
+    }
+
+    double first_token_ms = -1;
+    m3serve::v1::ConverseResponse response;
+    bool turn_done = false;
+    while (!turn_done && stream->Read(&response)) {
+      if (response.has_tokens()) {
+        if (first_token_ms < 0) first_token_ms = ms_since(start);
+        printer.print(response.tokens());
+      } else if (response.has_turn_finished()) {
+        printer.end_line();
+        const auto& finished = response.turn_finished();
+        std::fprintf(stderr, "turn %u finished: %s\n", finished.turn(),
+                     std::string(finish_reason_name(finished.reason())).c_str());
+        print_timings(finished.timings(), first_token_ms, ms_since(start));
+        turn_done = true;
+      }
+    }
+    if (!turn_done) open = false;  // the server ended the stream; Finish() says why
+  }
+  if (open) stream->WritesDone();
+  const grpc::Status status = stream->Finish();
+  if (!status.ok()) return fail_rpc("Converse", status);
+  if (!open) {
+    std::fprintf(stderr, "m3cli: the server closed the session before the turn finished\n");
+    return 1;
+  }
+  return 0;
+}
+
+int run_info(const Flags& flags) {
+  auto stub = m3serve::v1::M3Serve::NewStub(connect(flags));
+  grpc::ClientContext context;
+  set_deadline(&context, flags, 10);
+  m3serve::v1::ModelInfo info;
+  const grpc::Status status = stub->GetModelInfo(&context, m3serve::v1::GetModelInfoRequest(), &info);
+  if (!status.ok()) return fail_rpc("GetModelInfo", status);
+  std::printf(
+      "model:         %s%s\nbackend:       %s\nweight dtype:  %s\nlayers:        %u\n"
+      "d_model:       %u\nvocab:         %u (padded %u)\nd_state:       %u\nheaddim:       %u\n"
+      "mimo rank:     %u\nmax batch:     %u\ntokenizer:     %s\n",
+      info.model_name().c_str(), info.demo_model() ? " (demo: random weights)" : "",
+      info.backend().c_str(), info.weight_dtype().c_str(), info.n_layer(), info.d_model(),
+      info.vocab_size(), info.padded_vocab_size(), info.d_state(), info.headdim(),
+      info.mimo_rank(), info.max_batch(), info.has_tokenizer() ? "yes" : "no");
+  return 0;
+}
+
+// grpc.health.v1 is not shipped as generated code with gRPC, and its two messages are
+// one field each, so they are written and read by hand over a generic stub.
+std::string encode_health_request(const std::string& service) {
+  std::string bytes;
+  if (service.empty()) return bytes;
+  bytes.push_back(0x0A);  // field 1 (service), length-delimited
+  for (size_t n = service.size(); ; n >>= 7) {
+    if (n < 0x80) { bytes.push_back(static_cast<char>(n)); break; }
+    bytes.push_back(static_cast<char>((n & 0x7F) | 0x80));
+  }
+  return bytes + service;
+}
+
+// HealthCheckResponse.status (field 1, varint); absent means 0 (UNKNOWN).
+int decode_health_status(const std::string& bytes) {
+  if (bytes.size() >= 2 && bytes[0] == 0x08) return static_cast<unsigned char>(bytes[1]) & 0x7F;
+  return 0;
+}
+
+int run_health(const Flags& flags) {
+  const std::string service = flags.get("service", "");
+  auto channel = connect(flags);
+  grpc::GenericStub stub(channel);
+  grpc::ClientContext context;
+  set_deadline(&context, flags, 5);
+
+  const std::string request_bytes = encode_health_request(service);
+  grpc::Slice slice(request_bytes);
+  grpc::ByteBuffer request(&slice, 1);
+  grpc::ByteBuffer response;
+  std::promise<grpc::Status> done;
+  stub.UnaryCall(&context, "/grpc.health.v1.Health/Check", grpc::StubOptions(), &request,
+                 &response, [&done](grpc::Status status) { done.set_value(std::move(status)); });
+  const grpc::Status status = done.get_future().get();
+  if (!status.ok()) return fail_rpc("health check", status);
+
+  std::vector<grpc::Slice> slices;
+  std::string bytes;
+  if (response.Dump(&slices).ok()) {
+    for (const auto& s : slices) bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
+  }
+  static constexpr const char* kNames[] = {"UNKNOWN", "SERVING", "NOT_SERVING", "SERVICE_UNKNOWN"};
+  const int code = decode_health_status(bytes);
+  std::printf("%s\n", code < 4 ? kNames[code] : "UNRECOGNIZED");
+  return code == 1 ? 0 : 1;
+}
+
+// A command's flags; a stray bare word is a mistake, not something to ignore.
+Flags command_flags(const std::vector<std::string>& args,
+                    const std::vector<std::string_view>& value_options,
+                    const std::vector<std::string_view>& switches) {
+  Flags flags(args, value_options, switches);
+  if (!flags.positional().empty()) {
+    throw UsageError("unexpected argument '" + flags.positional().front() + "'");
+  }
+  return flags;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::vector<std::string> args(argv + 1, argv + argc);
+  // The command is the first bare word that is not the value of --server & co.
+  std::string command;
+  size_t command_at = args.size();
+  for (size_t i = 0; i < args.size(); ++i) {
+    const std::string& arg = args[i];
+    if (arg == "-h" || arg == "--help" || arg == "help") {
+      std::fputs(kUsage, stdout);
+      return 0;
+    }
+    if (arg.rfind("--", 0) == 0) {
+      if (arg.find('=') == std::string::npos) ++i;  // skip its value (every option before the command takes one)
+      continue;
+    }
+    command = arg;
+    command_at = i;
+    break;
+  }
+  if (command_at < args.size()) args.erase(args.begin() + static_cast<std::ptrdiff_t>(command_at));
+
+  try {
+    if (command == "generate") {
+      return run_generate(command_flags(
+          args, options({"ids", "text", "request-id"}, kSamplingOptions), {"ids-only"}));
+    }
+    if (command == "converse") {
+      return run_converse(
+          command_flags(args, options({"session-id"}, kSamplingOptions), {"ids-only"}));
+    }
+    if (command == "info") return run_info(command_flags(args, options({}), {}));
+    if (command == "health") return run_health(command_flags(args, options({"service"}), {}));
+    throw UsageError(command.empty() ? "no command given" : "unknown command '" + command + "'");
+  } catch (const UsageError& e) {
+    std::fprintf(stderr, "m3cli: %s\n\n%s", e.what(), kUsage);
+    return 2;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "m3cli: %s\n", e.what());
+    return 1;
+  }
+}

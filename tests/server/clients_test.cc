@@ -1,0 +1,314 @@
+// m3cli and m3bench serve against a scripted in-process M3Serve: what they print, how
+// they stream, and how they fail. The real server is covered by the integration tests.
+#include <grpcpp/grpcpp.h>
+#include <grpcpp/health_check_service_interface.h>
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+#include <sys/wait.h>
+
+#include <array>
+#include <cstdio>
+#include <fstream>
+#include <memory>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "m3serve.grpc.pb.h"
+#include "server/tools/bench_serve.h"
+#include "server/tools/client_support.h"
+
+namespace m3 {
+namespace {
+
+constexpr uint32_t kVocab = 100;
+
+// Generate: token i of the reply is (sum of prompt ids + i) % kVocab, one per message,
+// ending early after a stop id; request ids ending in refused_id_suffix are refused as
+// over capacity.
+// Converse: each turn replies with (turn*10 + number of
+// input ids) repeated max_new_tokens times. Text prompts are refused (no tokenizer).
+class ScriptedService final : public m3serve::v1::M3Serve::Service {
+ public:
+  char refused_id_suffix = 0;
+
+  grpc::Status Generate(grpc::ServerContext*, const m3serve::v1::GenerateRequest* request,
+                        grpc::ServerWriter<m3serve::v1::GenerateResponse>* writer) override {
+    if (request->has_prompt_text()) {
+      return {grpc::StatusCode::INVALID_ARGUMENT, "prompt_text needs a tokenizer; none is loaded"};
+    }
+    if (refused_id_suffix != 0 && !request->request_id().empty() &&
+        request->request_id().back() == refused_id_suffix) {
+      return {grpc::StatusCode::RESOURCE_EXHAUSTED, "queue full"};
+    }
+    const auto& prompt = request->prompt_ids().ids();
+    const int64_t base = std::accumulate(prompt.begin(), prompt.end(), int64_t{0});
+    m3serve::v1::FinishReason reason = m3serve::v1::FINISH_REASON_LENGTH;
+    uint32_t made = 0;
+    while (made < request->max_new_tokens()) {
+      const int32_t id = static_cast<int32_t>((base + made) % kVocab);
+      m3serve::v1::GenerateResponse response;
+      response.mutable_tokens()->add_ids(id);
+      writer->Write(response);
+      ++made;
+      const auto& stops = request->stop_token_ids();
+      if (std::find(stops.begin(), stops.end(), id) != stops.end()) {
+        reason = m3serve::v1::FINISH_REASON_STOP;
+        break;
+      }
+    }
+    m3serve::v1::GenerateResponse last;
+    auto* finished = last.mutable_finished();
+    finished->set_request_id(request->request_id().empty() ? "made-up" : request->request_id());
+    finished->set_reason(reason);
+    finished->set_seed(request->sampling().has_seed() ? request->sampling().seed() : 4242);
+    finished->mutable_timings()->set_prompt_tokens(prompt.size());
+    finished->mutable_timings()->set_generated_tokens(made);
+    writer->Write(last);
+    return grpc::Status::OK;
+  }
+
+  grpc::Status Converse(
+      grpc::ServerContext*,
+      grpc::ServerReaderWriter<m3serve::v1::ConverseResponse, m3serve::v1::ConverseRequest>* stream)
+      override {
+    uint32_t max_new_tokens = 2;
+    uint32_t turn = 0;
+    int inputs = 0;
+    m3serve::v1::ConverseRequest request;
+    while (stream->Read(&request)) {
+      if (request.has_config()) {
+        max_new_tokens = request.config().max_new_tokens();
+      } else if (request.has_input()) {
+        inputs += request.input().ids_size();
+      } else if (request.has_input_text()) {
+        return {grpc::StatusCode::INVALID_ARGUMENT, "input_text needs a tokenizer; none is loaded"};
+      } else if (request.has_end_turn()) {
+        for (uint32_t i = 0; i < max_new_tokens; ++i) {
+          m3serve::v1::ConverseResponse response;
+          response.mutable_tokens()->add_ids(static_cast<int32_t>(turn * 10 + inputs));
+          stream->Write(response);
+        }
+        m3serve::v1::ConverseResponse done;
+        done.mutable_turn_finished()->set_turn(turn);
+        done.mutable_turn_finished()->set_reason(m3serve::v1::FINISH_REASON_LENGTH);
+        stream->Write(done);
+        ++turn;
+        inputs = 0;
+      }
+    }
+    return grpc::Status::OK;
+  }
+
+  grpc::Status GetModelInfo(grpc::ServerContext*, const m3serve::v1::GetModelInfoRequest*,
+                            m3serve::v1::ModelInfo* info) override {
+    info->set_model_name("scripted");
+    info->set_backend("cpu");
+    info->set_vocab_size(kVocab);
+    info->set_padded_vocab_size(128);
+    info->set_n_layer(2);
+    info->set_max_batch(4);
+    return grpc::Status::OK;
+  }
+};
+
+class ScriptedServer {
+ public:
+  ScriptedServer() {
+    grpc::EnableDefaultHealthCheckService(true);
+    grpc::ServerBuilder builder;
+    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port_);
+    builder.RegisterService(&service_);
+    server_ = builder.BuildAndStart();
+  }
+  ~ScriptedServer() { server_->Shutdown(); }
+  std::string address() const { return "127.0.0.1:" + std::to_string(port_); }
+  grpc::Server& server() { return *server_; }
+  ScriptedService& service() { return service_; }
+
+ private:
+  ScriptedService service_;
+  int port_ = 0;
+  std::unique_ptr<grpc::Server> server_;
+};
+
+struct CliRun {
+  int exit_code = -1;
+  std::string out;
+  std::string err;
+};
+
+// Runs m3cli with `args` (shell words), stdin from `input`.
+CliRun m3cli(const std::string& args, const std::string& input = "") {
+  const std::string dir = ::testing::TempDir();
+  const std::string in = dir + "/m3cli.in", out = dir + "/m3cli.out", err = dir + "/m3cli.err";
+  std::ofstream(in) << input;
+  const std::string command =
+      std::string(M3_TEST_M3CLI) + " " + args + " <" + in + " >" + out + " 2>" + err;
+  const int status = std::system(command.c_str());
+  auto slurp = [](const std::string& path) {
+    std::ifstream file(path);
+    return std::string(std::istreambuf_iterator<char>(file), {});
+  };
+  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, slurp(out), slurp(err)};
+}
+
+bool contains(const std::string& text, const std::string& part) {
+  return text.find(part) != std::string::npos;
+}
+
+TEST(M3cli, GenerateStreamsTheTokensAndPrintsTimings) {
+  ScriptedServer server;
+  const CliRun run = m3cli("--server " + server.address() + " generate --ids 1,2,3 --max-new-tokens 4 --seed 9");
+  EXPECT_EQ(run.exit_code, 0) << run.err;
+  EXPECT_EQ(run.out, "6 7 8 9\n");
+  EXPECT_TRUE(contains(run.err, "finished: length, request made-up, seed 9")) << run.err;
+  EXPECT_TRUE(contains(run.err, "prompt 3 tokens, generated 4 tokens")) << run.err;
+  EXPECT_TRUE(contains(run.err, "client: time to first token")) << run.err;
+}
+
+TEST(M3cli, GenerateStopsAtAStopToken) {
+  ScriptedServer server;
+  const CliRun run = m3cli("generate --server=" + server.address() + " --ids '5 5' --max-new-tokens 9 --stop 12,99");
+  EXPECT_EQ(run.exit_code, 0) << run.err;
+  EXPECT_EQ(run.out, "10 11 12\n");
+  EXPECT_TRUE(contains(run.err, "finished: stop")) << run.err;
+}
+
+TEST(M3cli, AnRpcErrorIsPrintedWithItsStatusAndFails) {
+  ScriptedServer server;
+  const CliRun run = m3cli("--server " + server.address() + " generate --text 'hello there'");
+  EXPECT_EQ(run.exit_code, 1);
+  EXPECT_TRUE(contains(run.err, "m3cli: Generate failed: INVALID_ARGUMENT: prompt_text needs a tokenizer"))
+      << run.err;
+}
+
+TEST(M3cli, ConverseRepliesToEachLineOfStdin) {
+  ScriptedServer server;
+  const CliRun run = m3cli("--server " + server.address() + " converse --max-new-tokens 2",
+                        "1,2,3\n\n4 5\n");
+  EXPECT_EQ(run.exit_code, 0) << run.err;
+  EXPECT_EQ(run.out, "3 3\n12 12\n");  // turn 0: 3 inputs; the blank line is skipped; turn 1: 2
+  EXPECT_TRUE(contains(run.err, "turn 0 finished: length")) << run.err;
+  EXPECT_TRUE(contains(run.err, "turn 1 finished: length")) << run.err;
+}
+
+TEST(M3cli, ConverseReportsAServerThatEndsTheSession) {
+  ScriptedServer server;
+  const CliRun run = m3cli("--server " + server.address() + " converse", "some words\n");
+  EXPECT_EQ(run.exit_code, 1);
+  EXPECT_TRUE(contains(run.err, "Converse failed: INVALID_ARGUMENT: input_text needs a tokenizer"))
+      << run.err;
+}
+
+TEST(M3cli, InfoPrintsTheModel) {
+  ScriptedServer server;
+  const CliRun run = m3cli("--server " + server.address() + " info");
+  EXPECT_EQ(run.exit_code, 0) << run.err;
+  EXPECT_TRUE(contains(run.out, "model:         scripted\n")) << run.out;
+  EXPECT_TRUE(contains(run.out, "vocab:         100 (padded 128)\n")) << run.out;
+  EXPECT_TRUE(contains(run.out, "tokenizer:     no\n")) << run.out;
+}
+
+TEST(M3cli, HealthFollowsTheServingStatus) {
+  ScriptedServer server;
+  CliRun run = m3cli("--server " + server.address() + " health");
+  EXPECT_EQ(run.exit_code, 0) << run.err;
+  EXPECT_EQ(run.out, "SERVING\n");
+
+  server.server().GetHealthCheckService()->SetServingStatus(false);
+  run = m3cli("--server " + server.address() + " health");
+  EXPECT_EQ(run.exit_code, 1);
+  EXPECT_EQ(run.out, "NOT_SERVING\n");
+
+  run = m3cli("--server " + server.address() + " health --service no.such.Service");
+  EXPECT_EQ(run.exit_code, 1);
+  EXPECT_TRUE(contains(run.err, "health check failed: NOT_FOUND")) << run.err;
+}
+
+TEST(M3cli, AnUnreachableServerIsNamed) {
+  // Port 1 on loopback: nothing listens there.
+  const CliRun run = m3cli("--server 127.0.0.1:1 --connect-timeout 0.5 info");
+  EXPECT_EQ(run.exit_code, 1);
+  EXPECT_TRUE(contains(run.err, "m3cli: cannot reach the server at 127.0.0.1:1")) << run.err;
+}
+
+TEST(M3cli, UsageMistakesExitTwoWithTheReason) {
+  EXPECT_TRUE(contains(m3cli("").err, "m3cli: no command given"));
+  EXPECT_TRUE(contains(m3cli("launch").err, "m3cli: unknown command 'launch'"));
+  CliRun run = m3cli("generate --ids 1,x");
+  EXPECT_EQ(run.exit_code, 2);
+  EXPECT_TRUE(contains(run.err, "'x' is not a token id")) << run.err;
+  run = m3cli("generate --ids 1 --text hi");
+  EXPECT_EQ(run.exit_code, 2);
+  EXPECT_TRUE(contains(run.err, "exactly one of --ids or --text")) << run.err;
+  run = m3cli("generate --ids 1 --max-new-tokens 0");
+  EXPECT_EQ(run.exit_code, 2);
+  EXPECT_TRUE(contains(run.err, "--max-new-tokens: 0 is outside")) << run.err;
+  run = m3cli("generate --ids 1 --temprature 0.5");
+  EXPECT_EQ(run.exit_code, 2);
+  EXPECT_TRUE(contains(run.err, "unknown option --temprature")) << run.err;
+  run = m3cli("info --server");
+  EXPECT_EQ(run.exit_code, 2);
+  EXPECT_TRUE(contains(run.err, "--server needs a value")) << run.err;
+}
+
+std::vector<char*> argv_of(std::vector<std::string>& args) {
+  std::vector<char*> argv;
+  for (auto& arg : args) argv.push_back(arg.data());
+  return argv;
+}
+
+TEST(BenchServe, RunsEveryRequestAndWritesTheJsonReport) {
+  ScriptedServer server;
+  const std::string json_path = ::testing::TempDir() + "/bench_serve.json";
+  std::vector<std::string> args = {"m3bench", "serve", "--server", server.address(),
+                                   "--concurrency", "3", "--requests", "10",
+                                   "--prompt-len", "5", "--max-new-tokens", "7",
+                                   "--json", json_path};
+  auto argv = argv_of(args);
+  ASSERT_EQ(run_bench_serve(static_cast<int>(argv.size()), argv.data()), 0);
+
+  std::ifstream file(json_path);
+  const auto report = nlohmann::json::parse(file);
+  EXPECT_EQ(report["ok"], 10);
+  EXPECT_EQ(report["errors"], 0);
+  EXPECT_EQ(report["tokens"], 70);
+  EXPECT_EQ(report["time_to_first_token"]["samples"], 10);
+  EXPECT_EQ(report["inter_token_latency"]["samples"], 60);  // 6 gaps per request
+  EXPECT_LE(report["time_to_first_token"]["p50_ms"].get<double>(),
+            report["time_to_first_token"]["p99_ms"].get<double>());
+  EXPECT_GT(report["tokens_per_second"].get<double>(), 0);
+}
+
+TEST(BenchServe, CountsFailedRequestsByStatus) {
+  ScriptedServer server;
+  server.service().refused_id_suffix = '3';
+  const std::string json_path = ::testing::TempDir() + "/bench_serve_errors.json";
+  // Requests bench-3 and bench-13 are refused by the scripted server.
+  std::vector<std::string> args = {"serve", "--server", server.address(), "--concurrency", "4",
+                                   "--requests", "20", "--max-new-tokens", "3",
+                                   "--json", json_path};
+  auto argv = argv_of(args);
+  EXPECT_EQ(run_bench_serve(static_cast<int>(argv.size()), argv.data()), 1);
+  std::ifstream file(json_path);
+  const auto report = nlohmann::json::parse(file);
+  EXPECT_EQ(report["ok"], 18);
+  EXPECT_EQ(report["errors"], 2);
+  EXPECT_EQ(report["errors_by_status"]["RESOURCE_EXHAUSTED"], 2);
+  EXPECT_EQ(report["tokens"], 18 * 3);
+}
+
+TEST(BenchServe, UsageAndConnectionProblemsFailTheRun) {
+  std::vector<std::string> zero = {"serve", "--max-new-tokens", "0"};
+  auto argv = argv_of(zero);
+  EXPECT_EQ(run_bench_serve(static_cast<int>(argv.size()), argv.data()), 2);
+
+  std::vector<std::string> unreachable = {"serve", "--server", "127.0.0.1:1",
+                                          "--connect-timeout", "0.3"};
+  argv = argv_of(unreachable);
+  EXPECT_EQ(run_bench_serve(static_cast<int>(argv.size()), argv.data()), 1);
+}
+
+}  // namespace
+}  // namespace m3
