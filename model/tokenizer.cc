@@ -197,6 +197,7 @@ bool is_continuation(unsigned char byte) { return (byte & 0xC0) == 0x80; }
 }  // namespace
 
 void StreamDetokenizer::append(int32_t id, std::string* out) {
+  if (id < 0 || id >= tokenizer_->vocab_size()) return;
   for (const char c : tokenizer_->piece_bytes(id)) {
     const auto byte = static_cast<unsigned char>(c);
     if (pending_size_ > 0) {

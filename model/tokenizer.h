@@ -66,7 +66,9 @@ class StreamDetokenizer {
  public:
   explicit StreamDetokenizer(const Tokenizer& tokenizer) : tokenizer_(&tokenizer) {}
 
-  // Appends to *out the text completed by `id`. Allocates only if *out must grow.
+  // Appends to *out the text completed by `id`. Allocates only if *out must grow. An id
+  // the tokenizer does not know (a model vocabulary wider than the tokenizer's, e.g.
+  // speech units after the text pieces) adds no text and does not throw.
   void append(int32_t id, std::string* out);
   // Appends what is still held back (an incomplete character becomes U+FFFD).
   void finish(std::string* out);

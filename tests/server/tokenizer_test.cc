@@ -172,6 +172,15 @@ TEST(Tokenizer, OutOfRangeIdsAreRejectedWithTheId) {
   EXPECT_THROW(tokenizer->piece_bytes(-1), std::invalid_argument);
 }
 
+TEST(Tokenizer, StreamSkipsIdsBeyondTheTokenizerVocabulary) {
+  // A speech model's vocabulary may run past the text pieces: those ids carry no text.
+  const auto tokenizer = Tokenizer::load(kModel, kShim);
+  auto ids = tokenizer->encode("hello world");
+  ids.insert(ids.begin() + 1, tokenizer->vocab_size() + 7);
+  ids.push_back(tokenizer->vocab_size());
+  EXPECT_EQ(stream_text(*tokenizer, ids), " hello world");
+}
+
 TEST(TokenizerErrors, MissingShimIsNamed) {
   const std::string error = load_error(kModel, "/nonexistent/libm3_spm.so");
   EXPECT_NE(error.find("SentencePiece shim /nonexistent/libm3_spm.so not found"), std::string::npos)
