@@ -14,6 +14,8 @@ endif()
 if(TARGET m3_server_metrics)
   add_executable(m3_metrics_test ${CMAKE_CURRENT_LIST_DIR}/metrics_test.cc)
   target_link_libraries(m3_metrics_test PRIVATE m3_server_metrics GTest::gtest_main)
+  target_compile_definitions(m3_metrics_test PRIVATE
+    M3_TEST_DASHBOARD="${PROJECT_SOURCE_DIR}/configs/grafana/m3serve-dashboard.json")
   gtest_discover_tests(m3_metrics_test)
 endif()
 

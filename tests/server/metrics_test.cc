@@ -7,6 +7,8 @@
 #include <unistd.h>
 
 #include <cmath>
+#include <fstream>
+#include <set>
 #include <regex>
 #include <sstream>
 #include <stdexcept>
@@ -35,7 +37,7 @@ std::string http_get(int port, const std::string& path) {
     close(fd);
     throw std::runtime_error("cannot connect to 127.0.0.1:" + std::to_string(port));
   }
-  const std::string request = "GET " + path + " HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n";
+  const std::string request = "GET " + path + " HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n";
   if (write(fd, request.data(), request.size()) != static_cast<ssize_t>(request.size())) {
     close(fd);
     throw std::runtime_error("short write");
@@ -151,6 +153,37 @@ TEST(ServerMetrics, AnAddressInUseIsReportedWithTheAddress) {
               std::string::npos)
         << e.what();
   }
+}
+
+// The dashboard charts exactly the series the server exports: every m3serve_* name it
+// queries exists, and every exported family is charted.
+TEST(ServerMetrics, TheGrafanaDashboardUsesTheExportedSeries) {
+  std::ifstream file(M3_TEST_DASHBOARD);
+  ASSERT_TRUE(file) << M3_TEST_DASHBOARD;
+  const std::string dashboard(std::istreambuf_iterator<char>(file), {});
+  const std::string exposition = ServerMetrics("").serialize();
+
+  std::set<std::string> exported;
+  const std::regex type_line("# TYPE (m3serve_[a-z_]+) ");
+  for (std::sregex_iterator it(exposition.begin(), exposition.end(), type_line), end; it != end; ++it) {
+    exported.insert((*it)[1]);
+  }
+  EXPECT_EQ(exported.size(), 9u);
+
+  std::set<std::string> charted;
+  const std::regex name("m3serve_[a-z_]+");
+  for (std::sregex_iterator it(dashboard.begin(), dashboard.end(), name), end; it != end; ++it) {
+    std::string series = it->str();
+    for (const std::string suffix : {"_bucket", "_sum", "_count"}) {
+      if (series.size() > suffix.size() && series.ends_with(suffix) &&
+          exported.count(series.substr(0, series.size() - suffix.size()))) {
+        series.resize(series.size() - suffix.size());
+      }
+    }
+    EXPECT_TRUE(exported.count(series)) << "the dashboard queries " << series << ", not exported";
+    charted.insert(series);
+  }
+  for (const auto& family : exported) EXPECT_TRUE(charted.count(family)) << family << " not charted";
 }
 
 }  // namespace
