@@ -1,0 +1,91 @@
+// What every kernel file needs: error checks that throw with context, warp reductions,
+// bf16 widening, 16-byte vector loads, the programmatic-dependent-launch barrier, and
+// the shared-memory ceiling every kernel must respect (the RTX 5090's per-block limit).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+namespace m3::kernels {
+
+// RTX 5090 (sm_120) opt-in shared memory per block; H200 allows more, we never ask for it.
+inline constexpr size_t kMaxSharedBytesPerBlock = 101376;
+
+inline void check_cuda(cudaError_t err, const char* what, const char* file, int line) {
+  if (err != cudaSuccess) {
+    throw std::runtime_error(std::string("CUDA error in ") + what + " (" + file + ":" +
+                             std::to_string(line) + "): " + cudaGetErrorName(err) + ": " +
+                             cudaGetErrorString(err));
+  }
+}
+
+}  // namespace m3::kernels
+
+#define M3_CUDA_CHECK(expr) ::m3::kernels::check_cuda((expr), #expr, __FILE__, __LINE__)
+
+#if defined(__CUDACC__)
+namespace m3::kernels {
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+__device__ __forceinline__ float bf16_bits_to_float(uint16_t bits) {
+  return __uint_as_float(static_cast<uint32_t>(bits) << 16);
+}
+
+// Eight consecutive weights widened to float. W is 16-byte aligned at element i.
+__device__ __forceinline__ void load8(const __nv_bfloat16* w, float (&out)[8]) {
+  const uint4 v = __ldg(reinterpret_cast<const uint4*>(w));
+  const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    out[2 * j] = __uint_as_float(words[j] << 16);
+    out[2 * j + 1] = __uint_as_float(words[j] & 0xffff0000u);
+  }
+}
+
+__device__ __forceinline__ void load8(const float* w, float (&out)[8]) {
+  const float4 a = __ldg(reinterpret_cast<const float4*>(w));
+  const float4 b = __ldg(reinterpret_cast<const float4*>(w) + 1);
+  out[0] = a.x; out[1] = a.y; out[2] = a.z; out[3] = a.w;
+  out[4] = b.x; out[5] = b.y; out[6] = b.z; out[7] = b.w;
+}
+
+__device__ __forceinline__ float load1(const __nv_bfloat16* w) { return __bfloat162float(*w); }
+__device__ __forceinline__ float load1(const float* w) { return *w; }
+
+// Programmatic dependent launch: wait until the previous kernel in the stream finished
+// and its writes are visible. Every kernel calls this before touching data another
+// kernel wrote, so the chain stays ordered when launches overlap. A no-op when the
+// kernel was launched without the attribute.
+__device__ __forceinline__ void wait_for_previous_kernel() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+// Lets the next kernel's blocks start their prologue (they still wait for our completion
+// in wait_for_previous_kernel before reading what we write).
+__device__ __forceinline__ void allow_next_kernel() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;");
+#endif
+}
+
+__device__ __forceinline__ float silu(float v) { return v / (1.0f + expf(-v)); }
+
+}  // namespace m3::kernels
+#endif

@@ -1,0 +1,37 @@
+// Matrix times a small batch of vectors, y[b] = W x[b], for decode: W is [rows, cols]
+// row-major (bf16 or fp32), x and y fp32. Weights are read once per batch tile of up to
+// 8 vectors with 16-byte loads; each warp owns a few rows.
+//
+// Fusions, chosen by the arguments:
+// - norm_weight != nullptr: x[b] is RMS-normalised and scaled by norm_weight first
+//   (every block re-normalises its tile, so no separate norm kernel is needed);
+// - epilogue Store: y = W x;  Accumulate: y += W x (residual add);
+//   GatedSilu: W has 2*out_rows rows [a; g], y[j] = a_j * silu(g_j) (gated MLP).
+#pragma once
+
+#include "kernels/embedding.cuh"  // WeightType
+#include "kernels/launch.cuh"
+
+namespace m3::kernels {
+
+enum class GemvEpilogue { Store, Accumulate, GatedSilu };
+
+struct GemvArgs {
+  const void* weight = nullptr;  // [rows, cols]; rows = out_rows (2*out_rows for GatedSilu)
+  WeightType type = WeightType::BF16;
+  int out_rows = 0;
+  int cols = 0;                  // multiple of 8
+  const float* x = nullptr;      // [batch, x_stride]
+  int x_stride = 0;
+  const float* norm_weight = nullptr;  // [cols] or nullptr
+  float norm_eps = 1e-5f;
+  float* y = nullptr;            // [batch, y_stride]
+  int y_stride = 0;
+  int batch = 0;
+  GemvEpilogue epilogue = GemvEpilogue::Store;
+};
+
+// Picks the batch tile and rows per warp for `batch`, checks sizes and shared memory.
+KernelLaunch plan_gemv(const GemvArgs& args);
+
+}  // namespace m3::kernels

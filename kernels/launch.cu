@@ -1,0 +1,50 @@
+#include "kernels/launch.cuh"
+
+#include <stdexcept>
+
+#include "kernels/common.cuh"
+
+namespace m3::kernels {
+
+void KernelLaunch::check_resources() const {
+  cudaFuncAttributes attr{};
+  M3_CUDA_CHECK(cudaFuncGetAttributes(&attr, func_));
+  const size_t total = attr.sharedSizeBytes + smem_;
+  if (total > kMaxSharedBytesPerBlock) {
+    throw std::runtime_error("kernel " + name_ + " needs " + std::to_string(total) +
+                             " bytes of shared memory per block (static " +
+                             std::to_string(attr.sharedSizeBytes) + " + dynamic " +
+                             std::to_string(smem_) + "), over the " +
+                             std::to_string(kMaxSharedBytesPerBlock) +
+                             "-byte limit every target GPU (RTX 5090) allows");
+  }
+  const unsigned threads = block_.x * block_.y * block_.z;
+  if (threads > static_cast<unsigned>(attr.maxThreadsPerBlock)) {
+    throw std::runtime_error("kernel " + name_ + " launched with " + std::to_string(threads) +
+                             " threads per block; its registers allow " +
+                             std::to_string(attr.maxThreadsPerBlock));
+  }
+  if (smem_ > 48 * 1024) {
+    M3_CUDA_CHECK(cudaFuncSetAttribute(func_, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       static_cast<int>(smem_)));
+  }
+}
+
+void KernelLaunch::launch(cudaStream_t stream, bool pdl) const {
+  cudaLaunchConfig_t config{};
+  config.gridDim = grid_;
+  config.blockDim = block_;
+  config.dynamicSmemBytes = smem_;
+  config.stream = stream;
+  cudaLaunchAttribute attr[1];
+  if (pdl) {
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    config.attrs = attr;
+    config.numAttrs = 1;
+  }
+  void* args[1] = {const_cast<unsigned char*>(params_)};
+  M3_CUDA_CHECK(cudaLaunchKernelExC(&config, func_, args));
+}
+
+}  // namespace m3::kernels

@@ -1,0 +1,55 @@
+// A kernel launch resolved once (kernel variant, grid, block, shared memory, parameter
+// block) and replayed any number of times: the engine plans every launch of a step at
+// load, so nothing is selected per token, graph or no graph.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstring>
+#include <string>
+
+namespace m3::kernels {
+
+class KernelLaunch {
+ public:
+  static constexpr size_t kMaxParamBytes = 512;
+
+  KernelLaunch() = default;
+
+  // `kernel` takes exactly one argument of type Params, by value. Checks the kernel's
+  // static + dynamic shared memory against kMaxSharedBytesPerBlock (cudaFuncGetAttributes)
+  // and raises its dynamic limit when above 48 KB; throws naming `name` otherwise.
+  template <typename Params>
+  static KernelLaunch make(const char* name, void (*kernel)(Params), dim3 grid, dim3 block,
+                           size_t dynamic_smem, const Params& params) {
+    static_assert(sizeof(Params) <= kMaxParamBytes, "parameter block too large");
+    KernelLaunch l;
+    l.name_ = name;
+    l.func_ = reinterpret_cast<const void*>(kernel);
+    l.grid_ = grid;
+    l.block_ = block;
+    l.smem_ = dynamic_smem;
+    std::memcpy(l.params_, &params, sizeof(Params));
+    l.check_resources();
+    return l;
+  }
+
+  // pdl: let this kernel start while the previous one in the stream drains (programmatic
+  // dependent launch); the kernels themselves wait before reading dependent data.
+  void launch(cudaStream_t stream, bool pdl) const;
+  const std::string& name() const { return name_; }
+  dim3 grid() const { return grid_; }
+  size_t dynamic_smem() const { return smem_; }
+
+ private:
+  void check_resources() const;
+
+  std::string name_;
+  const void* func_ = nullptr;
+  dim3 grid_, block_;
+  size_t smem_ = 0;
+  alignas(16) unsigned char params_[kMaxParamBytes] = {};
+};
+
+}  // namespace m3::kernels

@@ -1,0 +1,245 @@
+#include "kernels/mimo_step.cuh"
+
+#include <stdexcept>
+#include <string>
+
+#include "kernels/common.cuh"
+
+namespace m3::kernels {
+namespace {
+
+constexpr int kThreads = 128;
+constexpr int kWarps = kThreads / 32;
+constexpr int kRowsInFlight = 4;  // state rows a warp loads before computing
+
+struct MimoParams {
+  MimoStepArgs a;
+  MimoStateLayout layout;
+  int p_chunk;
+};
+
+__device__ __forceinline__ float softplus(float v) { return v > 20.f ? v : log1pf(expf(v)); }
+
+template <int R>
+__global__ void __launch_bounds__(kThreads) mimo_step_kernel(const MimoParams prm) {
+  const MimoStepArgs& a = prm.a;
+  const int H = a.heads, P = a.headdim, N = a.d_state, S = a.n_angles, pc = prm.p_chunk;
+  const int chunk = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, tid = threadIdx.x;
+  const int p0 = chunk * pc;
+
+  extern __shared__ float4 smem4[];
+  float* k = reinterpret_cast<float*>(smem4);  // [R][N]
+  float* q = k + R * N;                        // [R][N]
+  float* kp = q + R * N;                       // [R][N]
+  float* theta = kp + R * N;                   // [S]
+  float* xv = theta + ((S + 3) & ~3);          // [R][pc]
+  float* xs = xv + R * pc;                     // [R][pc]
+  float* y = xs + R * pc;                      // [R][pc]
+  float* xcur = y + R * pc;                    // [pc]
+  float* xold = xcur + pc;                     // [pc]
+  float* rs = xold + pc;                       // [R]
+
+  wait_for_previous_kernel();
+  const int slot = a.slots[b];
+  const int parity = static_cast<int>(a.counters[slot] & 1u);
+  float* st = a.state + slot * a.slot_stride + a.layer_offset;
+  float* ssm = st + prm.layout.ssm + (int64_t)h * P * N;
+  float* xprev = st + prm.layout.x_prev + (int64_t)h * P;
+  const float* angle_old = st + prm.layout.angle + (int64_t)parity * H * S + h * S;
+  float* angle_new = st + prm.layout.angle + (int64_t)(1 - parity) * H * S + h * S;
+  const float* kprev_old = st + prm.layout.k_prev + (int64_t)parity * H * R * N + (int64_t)h * R * N;
+  float* kprev_new = st + prm.layout.k_prev + (int64_t)(1 - parity) * H * R * N + (int64_t)h * R * N;
+  const float* w = a.w + (int64_t)b * a.w_stride;
+
+  const float dt = softplus(w[a.off_dt + h] + a.dt_bias[h]);
+  const float dA = w[a.off_A + h];
+  const float A = fminf(-(fmaxf(dA, 0.f) + 1.f / (1.f - fminf(dA, 0.f))), -a.a_floor);
+  const float trap = 1.f / (1.f + expf(-w[a.off_trap + h]));
+  const float alpha = expf(A * dt);
+  const float beta = (1.f - trap) * dt * alpha;
+  const float gamma = trap * dt;
+
+  // B and C: RMSNorm over N, weight, per-head bias. One warp per vector.
+  for (int v = warp; v < 2 * R; v += kWarps) {
+    const bool is_b = v < R;
+    const int r = is_b ? v : v - R;
+    const float* src = w + (is_b ? a.off_B : a.off_C) + r * N;
+    const float* nw = is_b ? a.B_norm : a.C_norm;
+    const float* bias = (is_b ? a.B_bias : a.C_bias) + ((int64_t)h * R + r) * N;
+    float ss = 0.f;
+    for (int n = lane; n < N; n += 32) ss += src[n] * src[n];
+    const float scale = rsqrtf(warp_sum(ss) / N + a.norm_eps);
+    float* dst = (is_b ? k : q) + r * N;
+    for (int n = lane; n < N; n += 32) dst[n] = src[n] * scale * nw[n] + bias[n];
+  }
+  for (int i = tid; i < R * N; i += kThreads) kp[i] = kprev_old[i];
+  constexpr float kPi = 3.14159265358979323846f;
+  for (int s = tid; s < S; s += kThreads) {
+    const float t = angle_old[s] + tanhf(w[a.off_ang + s]) * dt * kPi;
+    theta[s] = t;
+    if (chunk == 0) angle_new[s] = t;
+  }
+  for (int i = tid; i < pc; i += kThreads) {
+    xcur[i] = w[a.off_x + h * P + p0 + i];
+    xold[i] = xprev[p0 + i];
+  }
+  __syncthreads();
+
+  // Rotary on k and q; the MIMO input scalings; x becomes next step's x_prev.
+  const int half = N / 2;
+  for (int idx = tid; idx < R * half; idx += kThreads) {
+    const int r = idx / half, i = idx % half;
+    if (i < S) {
+      float sn, cs;
+      sincosf(theta[i], &sn, &cs);
+      const int i0 = a.mimo_rotation ? i : 2 * i;
+      const int i1 = a.mimo_rotation ? i + half : 2 * i + 1;
+      float* kr = k + r * N;
+      float* qr = q + r * N;
+      const float k0 = kr[i0], k1 = kr[i1], q0 = qr[i0], q1 = qr[i1];
+      kr[i0] = k0 * cs - k1 * sn;
+      kr[i1] = k0 * sn + k1 * cs;
+      qr[i0] = q0 * cs - q1 * sn;
+      qr[i1] = q0 * sn + q1 * cs;
+    }
+  }
+  for (int idx = tid; idx < R * pc; idx += kThreads) {
+    const int r = idx / pc, i = idx % pc;
+    const float mx = a.mimo_x[((int64_t)h * R + r) * P + p0 + i];
+    xv[idx] = xcur[i] * mx;
+    xs[idx] = xold[i] * mx;
+  }
+  for (int i = tid; i < pc; i += kThreads) xprev[p0 + i] = xcur[i];
+  __syncthreads();
+  if (chunk == 0) {
+    for (int i = tid; i < R * N; i += kThreads) kprev_new[i] = k[i];
+  }
+
+  // The state update, kRowsInFlight rows of ssm per warp at a time.
+  const float Dh = a.D[h];
+  const int n4s = N / 4;
+  for (int pl0 = warp * kRowsInFlight; pl0 < pc; pl0 += kWarps * kRowsInFlight) {
+    float yacc[kRowsInFlight][R];
+#pragma unroll
+    for (int u = 0; u < kRowsInFlight; ++u)
+#pragma unroll
+      for (int r = 0; r < R; ++r) yacc[u][r] = 0.f;
+    for (int n4 = lane; n4 < n4s; n4 += 32) {
+      float4 sv[kRowsInFlight];
+#pragma unroll
+      for (int u = 0; u < kRowsInFlight; ++u) {
+        const int pl = pl0 + u;
+        if (pl < pc) sv[u] = reinterpret_cast<const float4*>(ssm + (int64_t)(p0 + pl) * N)[n4];
+      }
+      float4 kv[R], kpv[R], qv[R];
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        kv[r] = reinterpret_cast<const float4*>(k + r * N)[n4];
+        kpv[r] = reinterpret_cast<const float4*>(kp + r * N)[n4];
+        qv[r] = reinterpret_cast<const float4*>(q + r * N)[n4];
+      }
+#pragma unroll
+      for (int u = 0; u < kRowsInFlight; ++u) {
+        const int pl = pl0 + u;
+        if (pl >= pc) break;
+        float s[4] = {sv[u].x, sv[u].y, sv[u].z, sv[u].w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          float v = alpha * s[j];
+#pragma unroll
+          for (int r = 0; r < R; ++r) {
+            const float kj = (&kv[r].x)[j], kpj = (&kpv[r].x)[j];
+            v = fmaf(gamma * xv[r * pc + pl], kj, v);
+            v = fmaf(beta * xs[r * pc + pl], kpj, v);
+          }
+          s[j] = v;
+#pragma unroll
+          for (int r = 0; r < R; ++r) yacc[u][r] = fmaf(v, (&qv[r].x)[j], yacc[u][r]);
+        }
+        reinterpret_cast<float4*>(ssm + (int64_t)(p0 + pl) * N)[n4] = make_float4(s[0], s[1], s[2], s[3]);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kRowsInFlight; ++u) {
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const float t = warp_sum(yacc[u][r]);
+        const int pl = pl0 + u;
+        if (lane == 0 && pl < pc) y[r * pc + pl] = t + Dh * xv[r * pc + pl];
+      }
+    }
+  }
+  allow_next_kernel();
+  __syncthreads();
+
+  if (a.out_norm != nullptr) {  // p_chunk == P: the whole head is here
+    for (int r = warp; r < R; r += kWarps) {
+      float ss = 0.f;
+      for (int i = lane; i < pc; i += 32) ss += y[r * pc + i] * y[r * pc + i];
+      ss = warp_sum(ss);
+      if (lane == 0) rs[r] = rsqrtf(ss / P + a.norm_eps);
+    }
+    __syncthreads();
+  }
+  for (int i = tid; i < pc; i += kThreads) {
+    const int p = p0 + i;
+    const float z = w[a.off_z + h * P + p];
+    float out = 0.f;
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const int64_t hr = ((int64_t)h * R + r) * P + p;
+      float yv = y[r * pc + i];
+      if (a.out_norm != nullptr) yv *= rs[r] * a.out_norm[h * P + p];
+      out += yv * silu(z * a.mimo_z[hr]) * a.mimo_o[hr];
+    }
+    a.o[(int64_t)b * a.o_stride + h * P + p] = out;
+  }
+}
+
+template <int R>
+KernelLaunch plan_rank(const MimoStepArgs& a, int p_chunk) {
+  const MimoParams prm{a, mimo_state_layout(a.heads, a.headdim, a.d_state, a.rank, a.n_angles), p_chunk};
+  const size_t floats = 3 * (size_t)R * a.d_state + ((a.n_angles + 3) & ~3) + 3 * (size_t)R * p_chunk +
+                        2 * (size_t)p_chunk + R;
+  return KernelLaunch::make("mimo_step", mimo_step_kernel<R>,
+                            dim3(a.headdim / p_chunk, a.heads, a.batch), dim3(kThreads),
+                            floats * sizeof(float), prm);
+}
+
+}  // namespace
+
+MimoStateLayout mimo_state_layout(int H, int P, int N, int R, int S) {
+  MimoStateLayout l;
+  l.ssm = 0;
+  l.x_prev = l.ssm + (int64_t)H * P * N;
+  l.angle = l.x_prev + (int64_t)H * P;
+  l.k_prev = l.angle + 2 * (int64_t)H * S;
+  l.floats = l.k_prev + 2 * (int64_t)H * R * N;
+  l.floats = (l.floats + 3) & ~int64_t{3};  // keep each layer 16-byte aligned
+  return l;
+}
+
+KernelLaunch plan_mimo_step(const MimoStepArgs& a) {
+  const std::string what = "mimo_step (H " + std::to_string(a.heads) + ", P " +
+                           std::to_string(a.headdim) + ", N " + std::to_string(a.d_state) +
+                           ", R " + std::to_string(a.rank) + ", S " + std::to_string(a.n_angles) + ")";
+  if (a.heads <= 0 || a.headdim <= 0 || a.d_state <= 0 || a.batch <= 0) {
+    throw std::invalid_argument(what + ": sizes must be positive");
+  }
+  if (a.d_state % 4 != 0) throw std::invalid_argument(what + ": d_state must be a multiple of 4");
+  if (2 * a.n_angles > a.d_state) throw std::invalid_argument(what + ": more angles than pairs");
+  // Split a head's rows over 4 blocks so batch 1 still fills the GPU, unless the grouped
+  // output norm needs the whole head in one block.
+  int p_chunk = a.headdim;
+  if (a.out_norm == nullptr && a.headdim % 16 == 0 && a.headdim >= 32) p_chunk = a.headdim / 4;
+  switch (a.rank) {
+    case 1: return plan_rank<1>(a, p_chunk);
+    case 2: return plan_rank<2>(a, p_chunk);
+    case 4: return plan_rank<4>(a, p_chunk);
+    case 8: return plan_rank<8>(a, p_chunk);
+    default: throw std::invalid_argument(what + ": mimo rank must be 1, 2, 4 or 8");
+  }
+}
+
+}  // namespace m3::kernels

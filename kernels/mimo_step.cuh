@@ -1,0 +1,62 @@
+// One decode step of the Mamba-3 MIMO mixer between in_proj and out_proj, for a batch of
+// sequences, fused into one kernel: the in_proj epilogue (dt, A, trap, B/C RMSNorm,
+// biases, rotary with the angle state), the exponential-trapezoidal state update, the
+// D skip, the gate, the optional grouped RMSNorm and the mimo_o reduction.
+//
+// Block (p-chunk, head, batch entry). The state rows of a head split over p-chunks
+// (independent rows of ssm), each block re-deriving the head's k and q. The per-head
+// angle and k_prev are double-buffered by the slot's step parity (counter & 1): every
+// chunk reads the old copy, chunk 0 writes the new one, so no block reads what another
+// block of the same launch writes.
+#pragma once
+
+#include <cstdint>
+
+#include "kernels/launch.cuh"
+
+namespace m3::kernels {
+
+// Float offsets of one layer's recurrent state of one sequence.
+struct MimoStateLayout {
+  int64_t ssm = 0;     // [H][P][N]
+  int64_t x_prev = 0;  // [H][P]
+  int64_t angle = 0;   // [2][H][S] (by parity)
+  int64_t k_prev = 0;  // [2][H][R][N] (by parity)
+  int64_t floats = 0;  // total
+};
+MimoStateLayout mimo_state_layout(int H, int P, int N, int R, int S);
+
+struct MimoStepArgs {
+  int heads = 0, headdim = 0, d_state = 0, rank = 0, n_angles = 0;  // H, P, N, R, S
+  bool mimo_rotation = true;  // rotate halves (i, i+N/2); false: adjacent pairs (SISO)
+  float a_floor = 1e-4f;
+  float norm_eps = 1e-5f;
+  // in_proj output [batch, w_stride] and the offsets of its split.
+  const float* w = nullptr;
+  int w_stride = 0;
+  int off_z = 0, off_x = 0, off_B = 0, off_C = 0, off_dt = 0, off_A = 0, off_trap = 0, off_ang = 0;
+  // Parameters (fp32).
+  const float* dt_bias = nullptr;  // [H]
+  const float* D = nullptr;        // [H]
+  const float* B_bias = nullptr;   // [H, R, N]
+  const float* C_bias = nullptr;   // [H, R, N]
+  const float* B_norm = nullptr;   // [N]
+  const float* C_norm = nullptr;   // [N]
+  const float* mimo_x = nullptr;   // [H, R, P]
+  const float* mimo_z = nullptr;   // [H, R, P]
+  const float* mimo_o = nullptr;   // [H, R, P]
+  const float* out_norm = nullptr; // [H*P] or nullptr (is_outproj_norm off)
+  // State: slot s, this layer at state + s * slot_stride + layer_offset (MimoStateLayout).
+  float* state = nullptr;
+  int64_t slot_stride = 0;
+  int64_t layer_offset = 0;
+  const int32_t* slots = nullptr;      // [batch]
+  const uint64_t* counters = nullptr;  // [n_slots] steps taken since reset (parity)
+  float* o = nullptr;                  // [batch, o_stride], o[b, h*P + p]
+  int o_stride = 0;
+  int batch = 0;
+};
+
+KernelLaunch plan_mimo_step(const MimoStepArgs& args);
+
+}  // namespace m3::kernels

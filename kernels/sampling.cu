@@ -1,0 +1,193 @@
+#include "kernels/sampling.cuh"
+
+#include <stdexcept>
+#include <string>
+
+#include "kernels/common.cuh"
+#include "kernels/philox.h"
+
+namespace m3::kernels {
+namespace {
+
+constexpr int kThreads = 512;
+constexpr int kWarps = kThreads / 32;
+
+struct SamplingParams {
+  SamplingArgs a;
+};
+
+// Monotone map of a float's bits to an unsigned integer (larger float, larger integer).
+// NaN maps to 0: it ranks after every number, as on the host.
+__device__ __forceinline__ uint32_t ordered_bits(float f) {
+  if (isnan(f)) return 0u;
+  const uint32_t u = __float_as_uint(f);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+struct Reduce {
+  float* sums;      // [kWarps]
+  int* counts;      // [kWarps]
+  unsigned long long* keys;  // [kWarps]
+};
+
+// Block-wide (sum, count); every thread gets the result.
+__device__ void block_sum_count(float& sum, int& count, const Reduce& red) {
+  sum = warp_sum(sum);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) count += __shfl_xor_sync(0xffffffffu, count, o);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  __syncthreads();  // previous readers of red are done
+  if (lane == 0) { red.sums[warp] = sum; red.counts[warp] = count; }
+  __syncthreads();
+  sum = 0.f;
+  count = 0;
+  for (int w = 0; w < kWarps; ++w) { sum += red.sums[w]; count += red.counts[w]; }
+}
+
+__device__ unsigned long long block_key_max(unsigned long long v, const Reduce& red) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const unsigned long long other = __shfl_xor_sync(0xffffffffu, v, o);
+    v = other > v ? other : v;
+  }
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  __syncthreads();
+  if (lane == 0) red.keys[warp] = v;
+  __syncthreads();
+  v = 0;
+  for (int w = 0; w < kWarps; ++w) v = red.keys[w] > v ? red.keys[w] : v;
+  return v;
+}
+
+__device__ unsigned long long block_key_min(unsigned long long v, const Reduce& red) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const unsigned long long other = __shfl_xor_sync(0xffffffffu, v, o);
+    v = other < v ? other : v;
+  }
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  __syncthreads();
+  if (lane == 0) red.keys[warp] = v;
+  __syncthreads();
+  v = ~0ull;
+  for (int w = 0; w < kWarps; ++w) v = red.keys[w] < v ? red.keys[w] : v;
+  return v;
+}
+
+__global__ void __launch_bounds__(kThreads) sampling_kernel(const SamplingParams prm) {
+  const SamplingArgs& a = prm.a;
+  __shared__ float red_sums[kWarps];
+  __shared__ int red_counts[kWarps];
+  __shared__ unsigned long long red_keys[kWarps];
+  const Reduce red{red_sums, red_counts, red_keys};
+
+  const int b = blockIdx.x;
+  wait_for_previous_kernel();
+  const int slot = a.slots[b];
+  const SlotSampling sp = a.params[slot];
+  const uint64_t counter = a.counters[slot];
+  const float* l = a.logits + (int64_t)b * a.logits_stride;
+  const int V = a.vocab;
+  const int id_bits = V > 1 ? 32 - __clz(V - 1) : 0;
+  const unsigned long long id_mask = (1ull << id_bits) - 1;
+  const int key_bits = 32 + id_bits;
+  auto key_of = [&](int i) -> unsigned long long {
+    return ((unsigned long long)ordered_bits(l[i]) << id_bits) | (unsigned long long)(V - 1 - i);
+  };
+  auto id_of = [&](unsigned long long key) { return V - 1 - (int)(key & id_mask); };
+
+  unsigned long long best = 0;
+  for (int i = threadIdx.x; i < V; i += kThreads) {
+    const unsigned long long kk = key_of(i);
+    best = kk > best ? kk : best;
+  }
+  best = block_key_max(best, red);
+  int chosen = id_of(best);
+
+  if (sp.temperature > 0.f) {
+    const float lmax = l[chosen];
+    const float inv_t = 1.f / sp.temperature;
+    // Mass (sum of exp((l - lmax)/T)) and count of the ids whose key is >= t and >= floor.
+    auto mass_from = [&](unsigned long long t, float& mass, int& count) {
+      mass = 0.f;
+      count = 0;
+      for (int i = threadIdx.x; i < V; i += kThreads) {
+        if (key_of(i) >= t) { mass += expf((l[i] - lmax) * inv_t); ++count; }
+      }
+      block_sum_count(mass, count, red);
+    };
+    // Top-k: the k-th largest key.
+    unsigned long long floor_key = 0;
+    const int k_eff = sp.top_k > 0 && sp.top_k < V ? sp.top_k : V;
+    if (k_eff < V) {
+      unsigned long long t = 0;
+      for (int bit = key_bits - 1; bit >= 0; --bit) {
+        const unsigned long long cand = t | (1ull << bit);
+        int count = 0;
+        for (int i = threadIdx.x; i < V; i += kThreads) count += key_of(i) >= cand;
+        float unused = 0.f;
+        block_sum_count(unused, count, red);
+        if (count >= k_eff) t = cand;
+      }
+      floor_key = t;
+    }
+    float total;
+    int total_count;
+    mass_from(floor_key, total, total_count);
+    // Top-p: the shortest prefix whose probability reaches top_p (at least one id).
+    if (sp.top_p < 1.f) {
+      const float need = sp.top_p * total;
+      unsigned long long t = floor_key;
+      for (int bit = key_bits - 1; bit >= 0; --bit) {
+        const unsigned long long cand = t | (1ull << bit);
+        if (cand <= t) continue;
+        float mass;
+        int count;
+        mass_from(cand, mass, count);
+        if (count >= 1 && mass >= need) t = cand;
+      }
+      floor_key = t;
+      mass_from(floor_key, total, total_count);
+    }
+    // The draw: the first id (in key order) whose cumulative mass exceeds u * total.
+    const float target = philox_uniform(sp.seed, counter) * total;
+    unsigned long long t = floor_key;
+    for (int bit = key_bits - 1; bit >= 0; --bit) {
+      const unsigned long long cand = t | (1ull << bit);
+      if (cand <= t) continue;
+      float mass;
+      int count;
+      mass_from(cand, mass, count);
+      if (count >= 1 && mass > target) t = cand;
+    }
+    // The kept id with the smallest key >= t (t is such a key unless rounding broke
+    // monotonicity; this keeps the pick inside the kept set either way).
+    unsigned long long pick = ~0ull;
+    for (int i = threadIdx.x; i < V; i += kThreads) {
+      const unsigned long long kk = key_of(i);
+      if (kk >= t && kk >= floor_key && kk < pick) pick = kk;
+    }
+    pick = block_key_min(pick, red);
+    if (pick != ~0ull) chosen = id_of(pick);
+  }
+  allow_next_kernel();
+  if (threadIdx.x == 0) {
+    a.sampled[b] = chosen;
+    a.last_token[slot] = chosen;
+    a.counters[slot] = counter + 1;
+  }
+}
+
+}  // namespace
+
+KernelLaunch plan_sampling(const SamplingArgs& a) {
+  if (a.batch <= 0 || a.vocab <= 0 || a.logits_stride < a.vocab) {
+    throw std::invalid_argument("plan_sampling: batch " + std::to_string(a.batch) + ", vocab " +
+                                std::to_string(a.vocab) + ", logits stride " +
+                                std::to_string(a.logits_stride) + " are inconsistent");
+  }
+  return KernelLaunch::make("sampling", sampling_kernel, dim3(a.batch), dim3(kThreads), 0,
+                            SamplingParams{a});
+}
+
+}  // namespace m3::kernels

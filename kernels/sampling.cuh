@@ -1,0 +1,41 @@
+// Token sampling on the device, one block per batch entry, exactly the engine contract's
+// definition (model/engine.h, brief): greedy argmax (lowest id on ties) when
+// temperature <= 0; otherwise top-k, softmax with temperature, top-p, and one Philox draw
+// keyed by (seed, the slot's step counter). No sort: ids are ordered by a 64-bit key
+// (logit, then lower id first), and the top-k cut, the top-p cut and the draw are each a
+// bitwise search for a key threshold over block-wide counts and sums.
+//
+// Afterwards the sampled id goes to sampled[b] and last_token[slot] (next step's input
+// when the host passes kContinueToken) and the slot's counter advances by one.
+#pragma once
+
+#include <cstdint>
+
+#include "kernels/launch.cuh"
+
+namespace m3::kernels {
+
+struct SlotSampling {
+  float temperature = 0.f;
+  int32_t top_k = 0;
+  float top_p = 1.f;
+  uint32_t reserved = 0;
+  uint64_t seed = 0;
+};
+static_assert(sizeof(SlotSampling) == 24, "SlotSampling is copied to the device as is");
+
+struct SamplingArgs {
+  const float* logits = nullptr;  // [batch, logits_stride]
+  int logits_stride = 0;
+  int vocab = 0;                  // ids >= vocab are never picked
+  const int32_t* slots = nullptr;           // [batch]
+  const SlotSampling* params = nullptr;     // [n_slots]
+  uint64_t* counters = nullptr;             // [n_slots]
+  int32_t* last_token = nullptr;            // [n_slots]
+  int32_t* sampled = nullptr;               // [batch]
+  int batch = 0;
+};
+
+KernelLaunch plan_sampling(const SamplingArgs& args);
+
+}  // namespace m3::kernels

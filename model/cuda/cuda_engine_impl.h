@@ -1,0 +1,97 @@
+// The CUDA decode engine. make_cuda_engine() (model/cuda_engine.h) returns one; m3bench
+// and the tests include this header for the timing and accounting hooks the Engine
+// interface does not carry.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "kernels/launch.cuh"
+#include "kernels/mimo_step.cuh"
+#include "kernels/sampling.cuh"
+#include "model/cuda/device_buffer.h"
+#include "model/cuda/device_weights.h"
+#include "model/engine.h"
+
+namespace m3::cuda {
+
+// The launches of one decode step for one batch bucket, and its captured graph.
+struct DecodeGraph {
+  int batch = 0;
+  std::vector<kernels::KernelLaunch> launches;
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+};
+
+class CudaEngine final : public Engine {
+ public:
+  CudaEngine(const ModelWeights& weights, const EngineOptions& options);
+  ~CudaEngine() override;
+  CudaEngine(const CudaEngine&) = delete;
+  CudaEngine& operator=(const CudaEngine&) = delete;
+
+  std::string_view backend() const override { return "cuda"; }
+  const ModelConfig& config() const override { return config_; }
+  int max_slots() const override { return max_slots_; }
+  void reset(int slot) override;
+  void set_sampling(int slot, const SamplingParams& params) override;
+  void step(std::span<const int32_t> slots, std::span<const int32_t> tokens,
+            std::span<int32_t> sampled, std::span<float> logits = {}) override;
+  EngineStats stats() const override { return stats_; }
+
+  // --- for m3bench and tests ---
+  const std::vector<int>& bucket_sizes() const { return bucket_sizes_; }
+  bool graphs_enabled() const { return use_graphs_; }
+  bool pdl_enabled() const { return pdl_; }
+  int kernels_per_step(int bucket_batch) const;
+  // Replays the step of bucket `bucket_batch` (one of bucket_sizes()) `iters` times on
+  // the device table as the last step() left it, graph or direct launches, and returns
+  // each replay's device time in microseconds (CUDA events).
+  std::vector<float> time_replays(int bucket_batch, int iters, bool use_graph);
+  // Bytes a step of `batch` sequences must move at least: weights read, state read and
+  // written, embedding rows, logits written.
+  double floor_bytes(int batch) const;
+
+ private:
+  void build_plans();
+  void capture_graphs();
+  void run_plan(const DecodeGraph& g, bool use_graph);
+  const DecodeGraph& graph_for_batch(int batch) const;
+
+  ModelConfig config_;
+  int max_slots_ = 0;
+  int scratch_slot_ = 0;  // padding entries of a bucket point here
+  int max_bucket_ = 0;
+  bool use_graphs_ = true;
+  bool pdl_ = true;
+  int device_ = 0;
+
+  cudaStream_t stream_ = nullptr;
+  DeviceWeights weights_;
+  kernels::MimoStateLayout layout_;
+  int64_t slot_state_floats_ = 0;
+
+  DeviceBuffer state_;       // [max_slots + 1][n_layer][layout_.floats]
+  DeviceBuffer res_, w_, o_, act_, logits_;
+  DeviceBuffer table_;       // int32 [2 * max_bucket]: slots, then tokens
+  DeviceBuffer sampled_;     // int32 [max_bucket]
+  DeviceBuffer params_;      // SlotSampling [max_slots + 1]
+  DeviceBuffer counters_;    // uint64 [max_slots + 1]
+  DeviceBuffer last_token_;  // int32 [max_slots + 1]
+  PinnedBuffer table_host_, sampled_host_, params_host_;
+
+  std::vector<int> bucket_sizes_;
+  std::vector<int> bucket_of_batch_;  // index into graphs_ for 1..max_slots
+  std::vector<DecodeGraph> graphs_;
+  std::vector<cudaEvent_t> timing_events_;
+
+  bool params_dirty_ = true;
+  std::vector<uint8_t> has_sample_;
+  std::vector<uint64_t> seen_in_step_;
+  uint64_t step_serial_ = 0;
+  EngineStats stats_;
+};
+
+}  // namespace m3::cuda

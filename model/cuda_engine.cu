@@ -1,0 +1,420 @@
+// The CUDA engine: weights and state on the device, every buffer allocated at load, and
+// one captured graph per batch bucket that runs the whole decode step. A step costs one
+// small H2D copy of the slot table, one graph launch and one small D2H copy.
+#include "model/cuda_engine.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+
+#include "kernels/common.cuh"
+#include "kernels/embedding.cuh"
+#include "kernels/gemv.cuh"
+#include "model/cpu_sampling.h"
+#include "model/cuda/cuda_engine_impl.h"
+#include "model/weights.h"
+
+namespace m3 {
+
+int cuda_device_count() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    cudaGetLastError();  // clear the sticky "no driver" error
+    return 0;
+  }
+  return n;
+}
+
+std::unique_ptr<Engine> make_cuda_engine(const ModelWeights& weights, const EngineOptions& options) {
+  return std::make_unique<cuda::CudaEngine>(weights, options);
+}
+
+namespace cuda {
+namespace {
+
+using kernels::KernelLaunch;
+
+std::string slot_context(const char* fn, int slot) {
+  return std::string(fn) + ": slot " + std::to_string(slot);
+}
+
+}  // namespace
+
+CudaEngine::CudaEngine(const ModelWeights& weights, const EngineOptions& options)
+    : config_(weights.config()),
+      max_slots_(options.max_slots),
+      scratch_slot_(options.max_slots),
+      use_graphs_(options.use_graphs),
+      device_(options.device) {
+  if (max_slots_ < 1) {
+    throw std::invalid_argument("cuda engine: max_slots must be at least 1, got " +
+                                std::to_string(max_slots_));
+  }
+  const int devices = cuda_device_count();
+  if (device_ < 0 || device_ >= devices) {
+    throw std::runtime_error("cuda engine: device " + std::to_string(device_) + " requested, " +
+                             std::to_string(devices) + " visible");
+  }
+  M3_CUDA_CHECK(cudaSetDevice(device_));
+  if (const char* env = std::getenv("M3_CUDA_PDL"); env != nullptr && std::string(env) == "0") {
+    pdl_ = false;
+  }
+  M3_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+
+  const ModelConfig& c = config_;
+  weights_ = upload_weights(weights, options.weight_dtype == WeightDType::BF16
+                                         ? kernels::WeightType::BF16
+                                         : kernels::WeightType::F32);
+  layout_ = kernels::mimo_state_layout(c.n_heads(), c.ssm.headdim, c.ssm.d_state,
+                                       c.ssm.mimo_rank, c.n_angles());
+  slot_state_floats_ = layout_.floats * c.n_layer;
+
+  for (int b = 1; b < max_slots_; b *= 2) bucket_sizes_.push_back(b);
+  bucket_sizes_.push_back(max_slots_);
+  max_bucket_ = max_slots_;
+  bucket_of_batch_.assign(max_slots_ + 1, 0);
+  for (int n = 1, g = 0; n <= max_slots_; ++n) {
+    while (bucket_sizes_[g] < n) ++g;
+    bucket_of_batch_[n] = g;
+  }
+
+  const int n_all = max_slots_ + 1;  // + the scratch slot
+  const size_t B = max_bucket_;
+  state_ = DeviceBuffer(sizeof(float) * slot_state_floats_ * n_all, "recurrent state");
+  res_ = DeviceBuffer(sizeof(float) * B * c.d_model, "residual stream");
+  w_ = DeviceBuffer(sizeof(float) * B * c.in_proj_rows(), "in_proj output");
+  o_ = DeviceBuffer(sizeof(float) * B * c.d_inner(), "mixer output");
+  if (c.has_mlp()) act_ = DeviceBuffer(sizeof(float) * B * c.mlp_width(), "mlp activation");
+  logits_ = DeviceBuffer(sizeof(float) * B * c.padded_vocab(), "logits");
+  table_ = DeviceBuffer(sizeof(int32_t) * 2 * B, "step table");
+  sampled_ = DeviceBuffer(sizeof(int32_t) * B, "sampled ids");
+  params_ = DeviceBuffer(sizeof(kernels::SlotSampling) * n_all, "sampling params");
+  counters_ = DeviceBuffer(sizeof(uint64_t) * n_all, "step counters");
+  last_token_ = DeviceBuffer(sizeof(int32_t) * n_all, "last sampled tokens");
+  table_host_ = PinnedBuffer(sizeof(int32_t) * 2 * B, "step table (host)");
+  sampled_host_ = PinnedBuffer(sizeof(int32_t) * B, "sampled ids (host)");
+  params_host_ = PinnedBuffer(sizeof(kernels::SlotSampling) * n_all, "sampling params (host)");
+
+  M3_CUDA_CHECK(cudaMemset(state_.get(), 0, state_.bytes()));
+  M3_CUDA_CHECK(cudaMemset(res_.get(), 0, res_.bytes()));
+  M3_CUDA_CHECK(cudaMemset(counters_.get(), 0, counters_.bytes()));
+  M3_CUDA_CHECK(cudaMemset(last_token_.get(), 0, last_token_.bytes()));
+  auto* th = table_host_.as<int32_t>();
+  for (size_t i = 0; i < B; ++i) { th[i] = scratch_slot_; th[B + i] = 0; }
+  M3_CUDA_CHECK(cudaMemcpy(table_.get(), th, table_.bytes(), cudaMemcpyHostToDevice));
+  auto* ph = params_host_.as<kernels::SlotSampling>();
+  for (int i = 0; i < n_all; ++i) ph[i] = kernels::SlotSampling{};
+  has_sample_.assign(max_slots_, 0);
+  seen_in_step_.assign(max_slots_, 0);
+
+  timing_events_.resize(2);
+  for (auto& e : timing_events_) M3_CUDA_CHECK(cudaEventCreate(&e));
+
+  build_plans();
+  if (use_graphs_) capture_graphs();
+  M3_CUDA_CHECK(cudaDeviceSynchronize());
+}
+
+CudaEngine::~CudaEngine() {
+  for (auto& g : graphs_) {
+    if (g.exec) cudaGraphExecDestroy(g.exec);
+    if (g.graph) cudaGraphDestroy(g.graph);
+  }
+  for (auto e : timing_events_) cudaEventDestroy(e);
+  if (stream_) cudaStreamDestroy(stream_);
+}
+
+void CudaEngine::build_plans() {
+  const ModelConfig& c = config_;
+  const auto L = c.in_proj_layout();
+  const int B = max_bucket_;
+  auto* slots = table_.as<int32_t>();
+  auto* tokens = slots + B;
+  for (int batch : bucket_sizes_) {
+    DecodeGraph g;
+    g.batch = batch;
+    g.launches.push_back(kernels::plan_embedding({weights_.embedding, weights_.type, c.padded_vocab(),
+                                                  c.d_model, slots, tokens, last_token_.as<int32_t>(),
+                                                  res_.as<float>(), batch}));
+    for (int i = 0; i < c.n_layer; ++i) {
+      const DeviceLayer& lw = weights_.layers[i];
+      kernels::GemvArgs in;
+      in.weight = lw.in_proj;
+      in.type = weights_.type;
+      in.out_rows = c.in_proj_rows();
+      in.cols = c.d_model;
+      in.x = res_.as<float>();
+      in.x_stride = c.d_model;
+      in.norm_weight = lw.norm;
+      in.norm_eps = ModelConfig::kNormEps;
+      in.y = w_.as<float>();
+      in.y_stride = c.in_proj_rows();
+      in.batch = batch;
+      in.epilogue = kernels::GemvEpilogue::Store;
+      g.launches.push_back(kernels::plan_gemv(in));
+
+      kernels::MimoStepArgs m;
+      m.heads = c.n_heads();
+      m.headdim = c.ssm.headdim;
+      m.d_state = c.ssm.d_state;
+      m.rank = c.ssm.mimo_rank;
+      m.n_angles = c.n_angles();
+      m.mimo_rotation = c.ssm.is_mimo;
+      m.a_floor = static_cast<float>(c.ssm.A_floor);
+      m.norm_eps = ModelConfig::kNormEps;
+      m.w = w_.as<float>();
+      m.w_stride = c.in_proj_rows();
+      m.off_z = L.z; m.off_x = L.x; m.off_B = L.B; m.off_C = L.C;
+      m.off_dt = L.dd_dt; m.off_A = L.dd_A; m.off_trap = L.trap; m.off_ang = L.ang;
+      m.dt_bias = lw.dt_bias; m.D = lw.D; m.B_bias = lw.B_bias; m.C_bias = lw.C_bias;
+      m.B_norm = lw.B_norm; m.C_norm = lw.C_norm;
+      m.mimo_x = lw.mimo_x; m.mimo_z = lw.mimo_z; m.mimo_o = lw.mimo_o; m.out_norm = lw.out_norm;
+      m.state = state_.as<float>();
+      m.slot_stride = slot_state_floats_;
+      m.layer_offset = layout_.floats * i;
+      m.slots = slots;
+      m.counters = counters_.as<uint64_t>();
+      m.o = o_.as<float>();
+      m.o_stride = c.d_inner();
+      m.batch = batch;
+      g.launches.push_back(kernels::plan_mimo_step(m));
+
+      kernels::GemvArgs out;
+      out.weight = lw.out_proj;
+      out.type = weights_.type;
+      out.out_rows = c.d_model;
+      out.cols = c.d_inner();
+      out.x = o_.as<float>();
+      out.x_stride = c.d_inner();
+      out.y = res_.as<float>();
+      out.y_stride = c.d_model;
+      out.batch = batch;
+      out.epilogue = kernels::GemvEpilogue::Accumulate;
+      g.launches.push_back(kernels::plan_gemv(out));
+
+      if (c.has_mlp()) {
+        kernels::GemvArgs fc1;
+        fc1.weight = lw.fc1;
+        fc1.type = weights_.type;
+        fc1.out_rows = c.mlp_width();
+        fc1.cols = c.d_model;
+        fc1.x = res_.as<float>();
+        fc1.x_stride = c.d_model;
+        fc1.norm_weight = lw.norm2;
+        fc1.norm_eps = ModelConfig::kNormEps;
+        fc1.y = act_.as<float>();
+        fc1.y_stride = c.mlp_width();
+        fc1.batch = batch;
+        fc1.epilogue = kernels::GemvEpilogue::GatedSilu;
+        g.launches.push_back(kernels::plan_gemv(fc1));
+
+        kernels::GemvArgs fc2;
+        fc2.weight = lw.fc2;
+        fc2.type = weights_.type;
+        fc2.out_rows = c.d_model;
+        fc2.cols = c.mlp_width();
+        fc2.x = act_.as<float>();
+        fc2.x_stride = c.mlp_width();
+        fc2.y = res_.as<float>();
+        fc2.y_stride = c.d_model;
+        fc2.batch = batch;
+        fc2.epilogue = kernels::GemvEpilogue::Accumulate;
+        g.launches.push_back(kernels::plan_gemv(fc2));
+      }
+    }
+    kernels::GemvArgs head;
+    head.weight = weights_.lm_head;
+    head.type = weights_.type;
+    head.out_rows = c.padded_vocab();
+    head.cols = c.d_model;
+    head.x = res_.as<float>();
+    head.x_stride = c.d_model;
+    head.norm_weight = weights_.norm_f;
+    head.norm_eps = ModelConfig::kNormEps;
+    head.y = logits_.as<float>();
+    head.y_stride = c.padded_vocab();
+    head.batch = batch;
+    head.epilogue = kernels::GemvEpilogue::Store;
+    g.launches.push_back(kernels::plan_gemv(head));
+
+    kernels::SamplingArgs s;
+    s.logits = logits_.as<float>();
+    s.logits_stride = c.padded_vocab();
+    s.vocab = c.vocab_size;
+    s.slots = slots;
+    s.params = params_.as<kernels::SlotSampling>();
+    s.counters = counters_.as<uint64_t>();
+    s.last_token = last_token_.as<int32_t>();
+    s.sampled = sampled_.as<int32_t>();
+    s.batch = batch;
+    g.launches.push_back(kernels::plan_sampling(s));
+    graphs_.push_back(std::move(g));
+  }
+}
+
+void CudaEngine::run_plan(const DecodeGraph& g, bool use_graph) {
+  if (use_graph) {
+    M3_CUDA_CHECK(cudaGraphLaunch(g.exec, stream_));
+    return;
+  }
+  // The first kernel follows a host copy, not a kernel: no programmatic overlap for it.
+  for (size_t i = 0; i < g.launches.size(); ++i) g.launches[i].launch(stream_, pdl_ && i > 0);
+}
+
+void CudaEngine::capture_graphs() {
+  for (DecodeGraph& g : graphs_) {
+    M3_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+    try {
+      for (size_t i = 0; i < g.launches.size(); ++i) g.launches[i].launch(stream_, pdl_ && i > 0);
+    } catch (...) {
+      cudaGraph_t broken = nullptr;
+      cudaStreamEndCapture(stream_, &broken);
+      if (broken) cudaGraphDestroy(broken);
+      throw;
+    }
+    M3_CUDA_CHECK(cudaStreamEndCapture(stream_, &g.graph));
+    M3_CUDA_CHECK(cudaGraphInstantiate(&g.exec, g.graph, 0));
+    M3_CUDA_CHECK(cudaGraphUpload(g.exec, stream_));
+  }
+}
+
+const DecodeGraph& CudaEngine::graph_for_batch(int batch) const {
+  return graphs_[bucket_of_batch_[batch]];
+}
+
+int CudaEngine::kernels_per_step(int bucket_batch) const {
+  return static_cast<int>(graph_for_batch(bucket_batch).launches.size());
+}
+
+void CudaEngine::reset(int slot) {
+  if (slot < 0 || slot >= max_slots_) {
+    throw std::invalid_argument(slot_context("reset", slot) + " is out of range [0, " +
+                                std::to_string(max_slots_) + ")");
+  }
+  float* st = state_.as<float>() + slot * slot_state_floats_;
+  M3_CUDA_CHECK(cudaMemsetAsync(st, 0, sizeof(float) * slot_state_floats_, stream_));
+  M3_CUDA_CHECK(cudaMemsetAsync(counters_.as<uint64_t>() + slot, 0, sizeof(uint64_t), stream_));
+  M3_CUDA_CHECK(cudaMemsetAsync(last_token_.as<int32_t>() + slot, 0, sizeof(int32_t), stream_));
+  M3_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  has_sample_[slot] = 0;
+}
+
+void CudaEngine::set_sampling(int slot, const SamplingParams& params) {
+  if (slot < 0 || slot >= max_slots_) {
+    throw std::invalid_argument(slot_context("set_sampling", slot) + " is out of range [0, " +
+                                std::to_string(max_slots_) + ")");
+  }
+  validate_sampling_params(params, slot_context("set_sampling", slot));
+  kernels::SlotSampling& s = params_host_.as<kernels::SlotSampling>()[slot];
+  s.temperature = params.temperature;
+  s.top_k = params.top_k;
+  s.top_p = params.top_p;
+  s.seed = params.seed;
+  params_dirty_ = true;
+}
+
+void CudaEngine::step(std::span<const int32_t> slots, std::span<const int32_t> tokens,
+                      std::span<int32_t> sampled, std::span<float> logits) {
+  const size_t n = slots.size();
+  const size_t V = static_cast<size_t>(config_.padded_vocab());
+  if (tokens.size() != n || sampled.size() != n || (!logits.empty() && logits.size() != n * V)) {
+    throw std::invalid_argument("step: " + std::to_string(n) + " slots but " +
+                                std::to_string(tokens.size()) + " tokens, " +
+                                std::to_string(sampled.size()) + " sampled entries and " +
+                                std::to_string(logits.size()) + " logits (need 0 or " +
+                                std::to_string(n * V) + ")");
+  }
+  if (n == 0) return;
+  if (n > static_cast<size_t>(max_slots_)) {
+    throw std::invalid_argument("step: " + std::to_string(n) + " slots, more than max_slots " +
+                                std::to_string(max_slots_));
+  }
+  ++step_serial_;
+  for (size_t i = 0; i < n; ++i) {
+    const int slot = slots[i];
+    if (slot < 0 || slot >= max_slots_) {
+      throw std::invalid_argument(slot_context("step", slot) + " is out of range [0, " +
+                                  std::to_string(max_slots_) + ")");
+    }
+    if (seen_in_step_[slot] == step_serial_) {
+      throw std::invalid_argument(slot_context("step", slot) + " is listed twice");
+    }
+    seen_in_step_[slot] = step_serial_;
+    const int32_t t = tokens[i];
+    if (t == kContinueToken) {
+      if (!has_sample_[slot]) {
+        throw std::invalid_argument(slot_context("step", slot) +
+                                    ": kContinueToken but the slot has no sampled token yet");
+      }
+    } else if (t < 0 || t >= config_.vocab_size) {
+      throw std::invalid_argument(slot_context("step", slot) + ": token " + std::to_string(t) +
+                                  " is outside [0, " + std::to_string(config_.vocab_size) + ")");
+    }
+  }
+
+  const DecodeGraph& g = graph_for_batch(static_cast<int>(n));
+  const int B = max_bucket_;
+  auto* th = table_host_.as<int32_t>();
+  for (size_t i = 0; i < n; ++i) { th[i] = slots[i]; th[B + i] = tokens[i]; }
+  for (int i = static_cast<int>(n); i < g.batch; ++i) { th[i] = scratch_slot_; th[B + i] = 0; }
+  if (params_dirty_) {
+    M3_CUDA_CHECK(cudaMemcpyAsync(params_.get(), params_host_.as<void>(), params_.bytes(),
+                                  cudaMemcpyHostToDevice, stream_));
+    params_dirty_ = false;
+  }
+  M3_CUDA_CHECK(cudaMemcpyAsync(table_.get(), th, table_.bytes(), cudaMemcpyHostToDevice, stream_));
+  run_plan(g, use_graphs_);
+  M3_CUDA_CHECK(cudaMemcpyAsync(sampled_host_.as<int32_t>(), sampled_.get(), sizeof(int32_t) * n,
+                                cudaMemcpyDeviceToHost, stream_));
+  if (!logits.empty()) {
+    M3_CUDA_CHECK(cudaMemcpyAsync(logits.data(), logits_.get(), sizeof(float) * n * V,
+                                  cudaMemcpyDeviceToHost, stream_));
+  }
+  M3_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  const int32_t* sh = sampled_host_.as<int32_t>();
+  for (size_t i = 0; i < n; ++i) {
+    sampled[i] = sh[i];
+    has_sample_[slots[i]] = 1;
+  }
+  ++stats_.steps;
+  if (use_graphs_) ++stats_.graph_replays;
+  stats_.tokens += n;
+}
+
+std::vector<float> CudaEngine::time_replays(int bucket_batch, int iters, bool use_graph) {
+  if (std::find(bucket_sizes_.begin(), bucket_sizes_.end(), bucket_batch) == bucket_sizes_.end()) {
+    throw std::invalid_argument("time_replays: " + std::to_string(bucket_batch) +
+                                " is not a batch bucket of this engine");
+  }
+  if (use_graph && !use_graphs_) {
+    throw std::invalid_argument("time_replays: the engine was built with use_graphs=false");
+  }
+  const DecodeGraph& g = graph_for_batch(bucket_batch);
+  std::vector<float> us;
+  us.reserve(iters);
+  for (int i = 0; i < iters; ++i) {
+    M3_CUDA_CHECK(cudaEventRecord(timing_events_[0], stream_));
+    run_plan(g, use_graph);
+    M3_CUDA_CHECK(cudaEventRecord(timing_events_[1], stream_));
+    M3_CUDA_CHECK(cudaEventSynchronize(timing_events_[1]));
+    float ms = 0.f;
+    M3_CUDA_CHECK(cudaEventElapsedTime(&ms, timing_events_[0], timing_events_[1]));
+    us.push_back(ms * 1000.f);
+  }
+  return us;
+}
+
+double CudaEngine::floor_bytes(int batch) const {
+  const ModelConfig& c = config_;
+  const double msize = weights_.type == kernels::WeightType::BF16 ? 2.0 : 4.0;
+  const double state = 2.0 * sizeof(float) * static_cast<double>(c.state_floats_per_layer()) *
+                       c.n_layer * batch;
+  const double embedding = msize * c.d_model * batch;
+  const double logits = 4.0 * c.padded_vocab() * batch;
+  return static_cast<double>(weights_.matrix_bytes + weights_.vector_bytes) + state + embedding + logits;
+}
+
+}  // namespace cuda
+}  // namespace m3

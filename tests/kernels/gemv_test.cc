@@ -1,0 +1,144 @@
+// gemv against a float64 CPU twin on random odd sizes: every epilogue, with and without
+// the fused RMSNorm prologue, bf16 and fp32 weights, batches that fill partial tiles.
+#include <cmath>
+#include <string>
+
+#include "gpu_test_util.h"
+#include "kernels/gemv.cuh"
+
+namespace m3 {
+namespace {
+
+using kernels::GemvEpilogue;
+using kernels::WeightType;
+using testing::DeviceArray;
+
+struct GemvCase {
+  int out_rows, cols, batch;
+  GemvEpilogue epilogue;
+  bool norm;
+  WeightType type;
+};
+
+std::string name_of(const GemvCase& c) {
+  return std::to_string(c.out_rows) + "x" + std::to_string(c.cols) + " batch " +
+         std::to_string(c.batch) + " epilogue " + std::to_string(static_cast<int>(c.epilogue)) +
+         (c.norm ? " norm" : "") + (c.type == WeightType::BF16 ? " bf16" : " fp32");
+}
+
+void run_case(const GemvCase& c, uint32_t seed) {
+  SCOPED_TRACE(name_of(c));
+  const int w_rows = c.epilogue == GemvEpilogue::GatedSilu ? 2 * c.out_rows : c.out_rows;
+  const int x_stride = c.cols + 4, y_stride = c.out_rows + 3;
+  std::vector<float> w = testing::random_floats(static_cast<size_t>(w_rows) * c.cols, seed);
+  if (c.type == WeightType::BF16) w = testing::round_bf16(w);
+  const std::vector<float> x = testing::random_floats(static_cast<size_t>(c.batch) * x_stride, seed + 1, -2.f, 2.f);
+  const std::vector<float> nw = testing::random_floats(c.cols, seed + 2, 0.5f, 1.5f);
+  const std::vector<float> y0 = testing::random_floats(static_cast<size_t>(c.batch) * y_stride, seed + 3);
+
+  // Twin.
+  std::vector<double> ref(y0.begin(), y0.end());
+  for (int b = 0; b < c.batch; ++b) {
+    std::vector<double> xv(c.cols);
+    double ss = 0;
+    for (int k = 0; k < c.cols; ++k) { xv[k] = x[b * x_stride + k]; ss += xv[k] * xv[k]; }
+    if (c.norm) {
+      const double scale = 1.0 / std::sqrt(ss / c.cols + 1e-5);
+      for (int k = 0; k < c.cols; ++k) xv[k] *= scale * nw[k];
+    }
+    auto dot = [&](int row) {
+      double s = 0;
+      for (int k = 0; k < c.cols; ++k) s += static_cast<double>(w[static_cast<size_t>(row) * c.cols + k]) * xv[k];
+      return s;
+    };
+    for (int r = 0; r < c.out_rows; ++r) {
+      double& out = ref[b * y_stride + r];
+      if (c.epilogue == GemvEpilogue::Store) out = dot(r);
+      if (c.epilogue == GemvEpilogue::Accumulate) out += dot(r);
+      if (c.epilogue == GemvEpilogue::GatedSilu) {
+        const double a = dot(r), g = dot(r + c.out_rows);
+        out = a * g / (1.0 + std::exp(-g));
+      }
+    }
+  }
+
+  DeviceArray<float> dx(x), dnw(nw), dy(y0);
+  DeviceArray<float> dw32(c.type == WeightType::F32 ? w : std::vector<float>{});
+  DeviceArray<uint16_t> dw16(c.type == WeightType::BF16 ? testing::to_bf16(w) : std::vector<uint16_t>{});
+  kernels::GemvArgs a;
+  a.weight = c.type == WeightType::BF16 ? static_cast<const void*>(dw16.get()) : dw32.get();
+  a.type = c.type;
+  a.out_rows = c.out_rows;
+  a.cols = c.cols;
+  a.x = dx.get();
+  a.x_stride = x_stride;
+  a.norm_weight = c.norm ? dnw.get() : nullptr;
+  a.y = dy.get();
+  a.y_stride = y_stride;
+  a.batch = c.batch;
+  a.epilogue = c.epilogue;
+  kernels::plan_gemv(a).launch(nullptr, false);
+  M3_CUDA_CHECK(cudaDeviceSynchronize());
+  const std::vector<float> got = dy.download();
+  EXPECT_LT(testing::max_rel_err(got, ref), 2e-5);
+  // Padding columns of y (past out_rows) are untouched.
+  for (int b = 0; b < c.batch; ++b)
+    for (int r = c.out_rows; r < y_stride; ++r) EXPECT_EQ(got[b * y_stride + r], y0[b * y_stride + r]);
+}
+
+TEST(GemvKernel, MatchesTwinOnOddSizes) {
+  M3_REQUIRE_CUDA_DEVICE();
+  uint32_t seed = 11;
+  for (WeightType type : {WeightType::BF16, WeightType::F32}) {
+    for (int batch : {1, 2, 3, 4, 5, 8, 11, 17}) {
+      run_case({37, 200, batch, GemvEpilogue::Store, true, type}, seed++);
+      run_case({301, 904, batch, GemvEpilogue::Accumulate, false, type}, seed++);
+      run_case({129, 136, batch, GemvEpilogue::GatedSilu, true, type}, seed++);
+    }
+  }
+}
+
+TEST(GemvKernel, RejectsColumnsThatBreakVectorLoads) {
+  M3_REQUIRE_CUDA_DEVICE();
+  DeviceArray<float> buf(1024);
+  kernels::GemvArgs a;
+  a.weight = buf.get();
+  a.type = WeightType::F32;
+  a.out_rows = 4;
+  a.cols = 12;
+  a.x = buf.get();
+  a.x_stride = 12;
+  a.y = buf.get();
+  a.y_stride = 4;
+  a.batch = 1;
+  try {
+    kernels::plan_gemv(a);
+    FAIL() << "expected an error";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("multiples of 8"), std::string::npos) << e.what();
+  }
+}
+
+TEST(GemvKernel, RefusesRowsTooWideForSharedMemory) {
+  M3_REQUIRE_CUDA_DEVICE();
+  DeviceArray<float> buf(1024);
+  kernels::GemvArgs a;
+  a.weight = buf.get();
+  a.type = WeightType::F32;
+  a.out_rows = 4;
+  a.cols = 40000;  // 160 KB of fp32 input row: over the RTX 5090's 101,376-byte limit
+  a.x = buf.get();
+  a.x_stride = 40000;
+  a.y = buf.get();
+  a.y_stride = 4;
+  a.batch = 1;
+  try {
+    kernels::plan_gemv(a);
+    FAIL() << "expected an error";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("shared memory"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace m3

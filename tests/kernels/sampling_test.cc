@@ -1,0 +1,116 @@
+// The sampling kernel against the host definition (model/cpu_sampling.h) on random
+// logits of an odd vocabulary inside a padded row: greedy, temperature, top-k, top-p and
+// their mixes, ties, per-slot seeds and counters; and the embedding gather with
+// continue tokens.
+#include <string>
+
+#include "gpu_test_util.h"
+#include "kernels/embedding.cuh"
+#include "kernels/sampling.cuh"
+#include "model/cpu_sampling.h"
+
+namespace m3 {
+namespace {
+
+using testing::DeviceArray;
+
+TEST(SamplingKernel, MatchesHostDefinition) {
+  M3_REQUIRE_CUDA_DEVICE();
+  const int vocab = 997, stride = 1003, n_slots = 7;
+  const std::vector<SamplingParams> cases = {
+      {0.f, 0, 1.f, 1},     {1.f, 0, 1.f, 2},    {0.7f, 40, 1.f, 3},  {1.3f, 0, 0.9f, 4},
+      {0.9f, 50, 0.8f, 5},  {2.f, 1, 1.f, 6},    {1.f, 0, 0.f, 7},    {0.5f, 2000, 0.95f, 8},
+  };
+  SamplingScratch scratch(vocab);
+  for (int round = 0; round < 12; ++round) {
+    const int batch = 5;
+    std::vector<float> logits = testing::random_floats(static_cast<size_t>(batch) * stride, 1000 + round, -4.f, 4.f);
+    // Ties (lowest id first) and a padding tail that must never be picked.
+    for (int b = 0; b < batch; ++b) {
+      logits[b * stride + 10] = logits[b * stride + 500] = 6.f + round % 3;
+      for (int i = vocab; i < stride; ++i) logits[b * stride + i] = 100.f;
+    }
+    const std::vector<int32_t> slots = {3, 0, 6, 1, 4};
+    std::vector<kernels::SlotSampling> params(n_slots);
+    std::vector<uint64_t> counters(n_slots);
+    for (int s = 0; s < n_slots; ++s) {
+      const SamplingParams& c = cases[(s + round) % cases.size()];
+      params[s].temperature = c.temperature;
+      params[s].top_k = c.top_k;
+      params[s].top_p = c.top_p;
+      params[s].seed = c.seed * 7919 + round;
+      counters[s] = static_cast<uint64_t>(round * 3 + s);
+    }
+    DeviceArray<float> dl(logits);
+    DeviceArray<int32_t> dslots(slots), dlast(std::vector<int32_t>(n_slots, -5)), dsampled(batch);
+    DeviceArray<kernels::SlotSampling> dparams(params);
+    DeviceArray<uint64_t> dcounters(counters);
+    kernels::SamplingArgs a;
+    a.logits = dl.get();
+    a.logits_stride = stride;
+    a.vocab = vocab;
+    a.slots = dslots.get();
+    a.params = dparams.get();
+    a.counters = dcounters.get();
+    a.last_token = dlast.get();
+    a.sampled = dsampled.get();
+    a.batch = batch;
+    kernels::plan_sampling(a).launch(nullptr, false);
+    M3_CUDA_CHECK(cudaDeviceSynchronize());
+    const auto sampled = dsampled.download();
+    const auto last = dlast.download();
+    const auto counters_after = dcounters.download();
+    for (int b = 0; b < batch; ++b) {
+      const int s = slots[b];
+      SamplingParams hp;
+      hp.temperature = params[s].temperature;
+      hp.top_k = params[s].top_k;
+      hp.top_p = params[s].top_p;
+      hp.seed = params[s].seed;
+      const int32_t want = sample_token(std::span<const float>(logits.data() + b * stride, stride), vocab,
+                                        hp, counters[s], scratch);
+      EXPECT_EQ(sampled[b], want) << "round " << round << " entry " << b << " temperature "
+                                  << hp.temperature << " top_k " << hp.top_k << " top_p " << hp.top_p;
+      EXPECT_EQ(last[s], sampled[b]);
+      EXPECT_EQ(counters_after[s], counters[s] + 1);
+    }
+    EXPECT_EQ(last[2], -5);  // slots not in the batch are untouched
+    EXPECT_EQ(counters_after[5], counters[5]);
+  }
+}
+
+TEST(EmbeddingKernel, GathersTokensAndContinues) {
+  M3_REQUIRE_CUDA_DEVICE();
+  const int vocab = 37, dim = 40;
+  const std::vector<float> table = testing::random_floats(vocab * dim, 5);
+  const std::vector<int32_t> slots = {2, 0, 1}, tokens = {7, -1, 36}, last = {11, 3, 4};
+  DeviceArray<float> dtable(table), dout(3 * dim);
+  DeviceArray<uint16_t> dtable16(testing::to_bf16(table));
+  DeviceArray<int32_t> dslots(slots), dtokens(tokens), dlast(last);
+  for (kernels::WeightType type : {kernels::WeightType::F32, kernels::WeightType::BF16}) {
+    dout.poison();
+    kernels::EmbeddingArgs a;
+    a.table = type == kernels::WeightType::F32 ? static_cast<const void*>(dtable.get()) : dtable16.get();
+    a.type = type;
+    a.vocab_rows = vocab;
+    a.dim = dim;
+    a.slots = dslots.get();
+    a.tokens = dtokens.get();
+    a.last_token = dlast.get();
+    a.out = dout.get();
+    a.batch = 3;
+    kernels::plan_embedding(a).launch(nullptr, false);
+    M3_CUDA_CHECK(cudaDeviceSynchronize());
+    const auto out = dout.download();
+    const int expect_token[3] = {7, 11, 36};  // entry 1 continues slot 0's last token
+    for (int b = 0; b < 3; ++b)
+      for (int i = 0; i < dim; ++i) {
+        float want = table[expect_token[b] * dim + i];
+        if (type == kernels::WeightType::BF16) want = bf16_to_f32(f32_to_bf16(want));
+        ASSERT_EQ(out[b * dim + i], want) << "entry " << b << " element " << i;
+      }
+  }
+}
+
+}  // namespace
+}  // namespace m3
