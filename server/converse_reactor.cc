@@ -1,0 +1,230 @@
+#include "server/converse_reactor.h"
+
+namespace m3 {
+
+ConverseReactor::ConverseReactor(ServiceContext& ctx, grpc::CallbackServerContext* call)
+    : ctx_(ctx), call_(call), start_(Clock::now()) {
+  session_id_ = ctx.make_request_id("conv-");
+  if (ctx.tokenizer) detokenizer_ = std::make_unique<StreamDetokenizer>(*ctx.tokenizer);
+  tokens_.reserve(ctx.stream_buffer_tokens);
+  StartRead(&request_);
+}
+
+void ConverseReactor::OnReadDone(bool ok) {
+  if (!ok) {  // the client closed its side (or the call ended)
+    std::shared_ptr<Sequence> seq;
+    {
+      std::lock_guard lock(seq_mu_);
+      seq = seq_;
+    }
+    if (!seq) {
+      complete(StreamStatus::kOk, "");
+      return;
+    }
+    seq->close_input();
+    ctx_.scheduler->wake();
+    return;
+  }
+  ++messages_read_;
+  if (handle(request_) == Handled::kContinue) StartRead(&request_);
+}
+
+ConverseReactor::Handled ConverseReactor::handle(const v1::ConverseRequest& r) {
+  switch (r.event_case()) {
+    case v1::ConverseRequest::kConfig: {
+      if (messages_read_ != 1) {
+        fail("config must be the first message of a session; it came as message " +
+             std::to_string(messages_read_));
+        return Handled::kStop;
+      }
+      if (auto e = check_session_config(r.config(), ctx_.limits); !e.empty()) {
+        fail(e);
+        return Handled::kStop;
+      }
+      config_ = r.config();
+      if (!config_.session_id().empty()) session_id_ = config_.session_id();
+      return start_session() ? Handled::kContinue : Handled::kStop;
+    }
+    case v1::ConverseRequest::kInput:
+      return add_input({r.input().ids().begin(), r.input().ids().end()}, "input.ids");
+    case v1::ConverseRequest::kInputText: {
+      if (!ctx_.tokenizer) {
+        fail("input_text needs a tokenizer and this server has none (start it with --tokenizer "
+             "FILE); send input token ids instead");
+        return Handled::kStop;
+      }
+      std::vector<int32_t> ids;
+      try {
+        ids = ctx_.tokenizer->encode(r.input_text());
+      } catch (const std::exception& e) {
+        fail(std::string("input_text could not be tokenized: ") + e.what());
+        return Handled::kStop;
+      }
+      return add_input(std::move(ids), "input_text's token ids");
+    }
+    case v1::ConverseRequest::kEndTurn: {
+      uint32_t max_new = r.end_turn().max_new_tokens();
+      if (max_new == 0) max_new = config_.max_new_tokens();
+      if (max_new == 0) {
+        fail("end_turn.max_new_tokens is 0 and the session config sets no max_new_tokens: one "
+             "of them must bound the reply");
+        return Handled::kStop;
+      }
+      if (auto e = check_max_new_tokens(max_new, "end_turn.max_new_tokens",
+                                        ctx_.limits.max_new_tokens_limit);
+          !e.empty()) {
+        fail(e);
+        return Handled::kStop;
+      }
+      if (turns_ended_ == 0 && turn_input_tokens_ == 0) {
+        fail("end_turn before any input: the first turn needs at least one input token");
+        return Handled::kStop;
+      }
+      if (!seq_ && !start_session()) return Handled::kStop;
+      seq_->end_turn(max_new);
+      ++turns_ended_;
+      turn_input_tokens_ = 0;
+      ctx_.scheduler->wake();
+      return Handled::kContinue;
+    }
+    case v1::ConverseRequest::EVENT_NOT_SET:
+      break;
+  }
+  fail("message " + std::to_string(messages_read_) +
+       " has no event set: send config, input, input_text or end_turn");
+  return Handled::kStop;
+}
+
+ConverseReactor::Handled ConverseReactor::add_input(std::vector<int32_t> ids, const char* field) {
+  if (auto e = check_token_ids(ids, field, ctx_.limits.vocab_size); !e.empty()) {
+    fail(e);
+    return Handled::kStop;
+  }
+  turn_input_tokens_ += ids.size();
+  if (turn_input_tokens_ > static_cast<size_t>(ctx_.limits.max_prompt_tokens)) {
+    fail("turn " + std::to_string(turns_ended_) + " has " + std::to_string(turn_input_tokens_) +
+         " input tokens, this server's limit is " + std::to_string(ctx_.limits.max_prompt_tokens) +
+         " (max_prompt_tokens)");
+    return Handled::kStop;
+  }
+  if (!seq_ && !start_session()) return Handled::kStop;
+  seq_->add_input(ids);
+  ctx_.scheduler->wake();
+  return Handled::kContinue;
+}
+
+bool ConverseReactor::start_session() {
+  SequenceParams params;
+  params.request_id = session_id_;
+  params.session = true;
+  params.sampling = engine_sampling(config_.sampling());
+  params.max_new_tokens = config_.max_new_tokens();
+  params.stop_token_ids.assign(config_.stop_token_ids().begin(), config_.stop_token_ids().end());
+  params.deadline = steady_deadline(call_->deadline());
+  auto seq = std::make_shared<Sequence>(std::move(params), ctx_.stream_buffer_tokens, this);
+  {
+    std::lock_guard lock(seq_mu_);
+    seq_ = seq;
+  }
+  Scheduler::Admission admission = ctx_.scheduler->submit(seq);
+  if (admission.status == StreamStatus::kOk) return true;
+  {
+    std::lock_guard lock(seq_mu_);
+    seq_.reset();
+  }
+  complete(admission.status, admission.message);
+  return false;
+}
+
+void ConverseReactor::fail(const std::string& message) {
+  std::shared_ptr<Sequence> seq;
+  {
+    std::lock_guard lock(seq_mu_);
+    seq = seq_;
+  }
+  if (!seq) {
+    complete(StreamStatus::kInvalidArgument, message);
+    return;
+  }
+  // The scheduler owns the stream's end: it frees the slot, then the writer finishes.
+  seq->request_cancel(StreamStatus::kInvalidArgument, message);
+  ctx_.scheduler->wake();
+}
+
+void ConverseReactor::flush() {
+  for (;;) {
+    TokenOutbox::Item item = seq_->outbox().take(&tokens_);
+    switch (item.kind) {
+      case TokenOutbox::Item::kNothing:
+        return;
+      case TokenOutbox::Item::kTokens: {
+        if (write_failed_) continue;
+        v1::Tokens* t = response_.mutable_tokens();
+        t->mutable_ids()->Clear();
+        t->mutable_ids()->Add(tokens_.begin(), tokens_.end());
+        if (detokenizer_) {
+          text_.clear();
+          for (int32_t id : tokens_) detokenizer_->append(id, &text_);
+          t->set_text(text_);
+        }
+        StartWrite(&response_);
+        return;
+      }
+      case TokenOutbox::Item::kTurnEnd: {
+        if (write_failed_) continue;
+        v1::TurnFinished* f = response_.mutable_turn_finished();
+        f->set_turn(item.turn_end.turn);
+        f->set_reason(to_proto(item.turn_end.reason));
+        fill_timings(item.turn_end.stats, f->mutable_timings());
+        StartWrite(&response_);
+        return;
+      }
+      case TokenOutbox::Item::kClosed:
+        complete(item.status, item.message);
+        return;
+    }
+  }
+}
+
+void ConverseReactor::OnWriteDone(bool ok) {
+  if (!ok && !write_failed_) {
+    write_failed_ = true;
+    seq_->request_cancel(StreamStatus::kCancelled, "the client went away");
+    ctx_.scheduler->wake();
+  }
+  flush();
+}
+
+void ConverseReactor::OnCancel() {
+  std::shared_ptr<Sequence> seq;
+  {
+    std::lock_guard lock(seq_mu_);
+    seq = seq_;
+  }
+  if (!seq) return;  // the pending read fails and finishes the stream
+  if (call_->deadline() <= std::chrono::system_clock::now()) {
+    seq->request_cancel(StreamStatus::kDeadlineExceeded, "deadline exceeded");
+  } else {
+    seq->request_cancel(StreamStatus::kCancelled, "cancelled by the client");
+  }
+  ctx_.scheduler->wake();
+}
+
+void ConverseReactor::OnDone() { delete this; }
+
+void ConverseReactor::complete(StreamStatus status, const std::string& message) {
+  RequestRecord record;
+  record.method = "Converse";
+  record.request_id = session_id_;
+  record.status = status;
+  record.message = message;
+  {
+    std::lock_guard lock(seq_mu_);
+    if (seq_) record.summary = seq_->summary;
+  }
+  record.duration_ms = std::chrono::duration<double, std::milli>(Clock::now() - start_).count();
+  record_request_end(ctx_, record);
+  Finish(to_grpc_status(status, message));
+}
+
+}  // namespace m3

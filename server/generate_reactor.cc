@@ -1,0 +1,124 @@
+#include "server/generate_reactor.h"
+
+namespace m3 {
+
+GenerateReactor::GenerateReactor(ServiceContext& ctx, grpc::CallbackServerContext* call,
+                                 const v1::GenerateRequest* request)
+    : ctx_(ctx), call_(call), start_(Clock::now()) {
+  request_id_ = request->request_id().empty() ? ctx.make_request_id("gen-") : request->request_id();
+  std::vector<int32_t> prompt;
+  std::string error = check_generate_request(*request, ctx.limits);
+  if (error.empty()) error = read_prompt(*request, &prompt);
+  if (!error.empty()) {
+    complete(StreamStatus::kInvalidArgument, error);
+    return;
+  }
+
+  SequenceParams params;
+  params.request_id = request_id_;
+  params.sampling = engine_sampling(request->sampling());
+  seed_ = params.sampling.seed;
+  params.max_new_tokens = request->max_new_tokens();
+  params.stop_token_ids.assign(request->stop_token_ids().begin(), request->stop_token_ids().end());
+  params.deadline = steady_deadline(call->deadline());
+  if (ctx.tokenizer) detokenizer_ = std::make_unique<StreamDetokenizer>(*ctx.tokenizer);
+  tokens_.reserve(ctx.stream_buffer_tokens);
+
+  seq_ = std::make_shared<Sequence>(std::move(params), ctx.stream_buffer_tokens, this);
+  seq_->add_input(prompt);
+  seq_->end_turn(request->max_new_tokens());
+  seq_->close_input();
+  Scheduler::Admission admission = ctx.scheduler->submit(seq_);
+  if (admission.status != StreamStatus::kOk) complete(admission.status, admission.message);
+}
+
+std::string GenerateReactor::read_prompt(const v1::GenerateRequest& request,
+                                         std::vector<int32_t>* prompt) {
+  if (request.prompt_case() == v1::GenerateRequest::kPromptIds) {
+    prompt->assign(request.prompt_ids().ids().begin(), request.prompt_ids().ids().end());
+    return "";
+  }
+  try {
+    *prompt = ctx_.tokenizer->encode(request.prompt_text());
+  } catch (const std::exception& e) {
+    return std::string("prompt_text could not be tokenized: ") + e.what();
+  }
+  if (prompt->empty()) return "prompt_text encodes to no tokens";
+  if (prompt->size() > static_cast<size_t>(ctx_.limits.max_prompt_tokens)) {
+    return "prompt_text encodes to " + std::to_string(prompt->size()) +
+           " tokens, this server's limit is " + std::to_string(ctx_.limits.max_prompt_tokens) +
+           " (max_prompt_tokens)";
+  }
+  return check_token_ids(*prompt, "prompt_text's token ids", ctx_.limits.vocab_size);
+}
+
+void GenerateReactor::flush() {
+  for (;;) {
+    TokenOutbox::Item item = seq_->outbox().take(&tokens_);
+    switch (item.kind) {
+      case TokenOutbox::Item::kNothing:
+        return;
+      case TokenOutbox::Item::kTokens: {
+        if (write_failed_) continue;
+        v1::Tokens* t = response_.mutable_tokens();
+        t->mutable_ids()->Clear();
+        t->mutable_ids()->Add(tokens_.begin(), tokens_.end());
+        if (detokenizer_) {
+          text_.clear();
+          for (int32_t id : tokens_) detokenizer_->append(id, &text_);
+          t->set_text(text_);
+        }
+        StartWrite(&response_);
+        return;
+      }
+      case TokenOutbox::Item::kTurnEnd: {
+        if (write_failed_) continue;
+        v1::Finished* f = response_.mutable_finished();
+        f->set_request_id(request_id_);
+        f->set_reason(to_proto(item.turn_end.reason));
+        fill_timings(item.turn_end.stats, f->mutable_timings());
+        f->set_seed(seed_);
+        StartWrite(&response_);
+        return;
+      }
+      case TokenOutbox::Item::kClosed:
+        complete(item.status, item.message);
+        return;
+    }
+  }
+}
+
+void GenerateReactor::OnWriteDone(bool ok) {
+  if (!ok && !write_failed_) {
+    write_failed_ = true;
+    seq_->request_cancel(StreamStatus::kCancelled, "the client went away");
+    ctx_.scheduler->wake();
+  }
+  flush();
+}
+
+void GenerateReactor::OnCancel() {
+  if (!seq_) return;
+  if (call_->deadline() <= std::chrono::system_clock::now()) {
+    seq_->request_cancel(StreamStatus::kDeadlineExceeded, "deadline exceeded");
+  } else {
+    seq_->request_cancel(StreamStatus::kCancelled, "cancelled by the client");
+  }
+  ctx_.scheduler->wake();
+}
+
+void GenerateReactor::OnDone() { delete this; }
+
+void GenerateReactor::complete(StreamStatus status, const std::string& message) {
+  RequestRecord record;
+  record.method = "Generate";
+  record.request_id = request_id_;
+  record.status = status;
+  record.message = message;
+  if (seq_) record.summary = seq_->summary;
+  record.duration_ms = std::chrono::duration<double, std::milli>(Clock::now() - start_).count();
+  record_request_end(ctx_, record);
+  Finish(to_grpc_status(status, message));
+}
+
+}  // namespace m3

@@ -1,0 +1,47 @@
+// One Generate stream: validates the request, hands a Sequence to the scheduler and
+// writes what its outbox receives (coalesced Tokens messages, then Finished).
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "m3serve.grpc.pb.h"
+#include "model/tokenizer.h"
+#include "server/sequence.h"
+#include "server/service_context.h"
+
+namespace m3 {
+
+class GenerateReactor final : public grpc::ServerWriteReactor<v1::GenerateResponse>,
+                              public StreamWriter {
+ public:
+  GenerateReactor(ServiceContext& ctx, grpc::CallbackServerContext* call,
+                  const v1::GenerateRequest* request);
+
+  void flush() override;
+  void OnWriteDone(bool ok) override;
+  void OnCancel() override;
+  void OnDone() override;
+
+ private:
+  // Returns "" or the INVALID_ARGUMENT message.
+  std::string read_prompt(const v1::GenerateRequest& request, std::vector<int32_t>* prompt);
+  void complete(StreamStatus status, const std::string& message);
+
+  ServiceContext& ctx_;
+  grpc::CallbackServerContext* call_;
+  const Clock::time_point start_;
+  std::string request_id_;
+  uint64_t seed_ = 0;
+  std::shared_ptr<Sequence> seq_;
+
+  // Writer state: touched only by whoever holds the outbox's writer turn.
+  v1::GenerateResponse response_;
+  std::vector<int32_t> tokens_;
+  std::unique_ptr<StreamDetokenizer> detokenizer_;
+  std::string text_;
+  bool write_failed_ = false;
+};
+
+}  // namespace m3

@@ -1,0 +1,79 @@
+#include "server/m3serve_service.h"
+
+#include "server/converse_reactor.h"
+#include "server/generate_reactor.h"
+#include "server/metrics.h"
+
+namespace m3 {
+
+grpc::Status to_grpc_status(StreamStatus status, const std::string& message) {
+  switch (status) {
+    case StreamStatus::kOk: return grpc::Status::OK;
+    case StreamStatus::kCancelled: return {grpc::StatusCode::CANCELLED, message};
+    case StreamStatus::kInvalidArgument: return {grpc::StatusCode::INVALID_ARGUMENT, message};
+    case StreamStatus::kResourceExhausted: return {grpc::StatusCode::RESOURCE_EXHAUSTED, message};
+    case StreamStatus::kDeadlineExceeded: return {grpc::StatusCode::DEADLINE_EXCEEDED, message};
+    case StreamStatus::kInternal: return {grpc::StatusCode::INTERNAL, message};
+    case StreamStatus::kUnavailable: return {grpc::StatusCode::UNAVAILABLE, message};
+  }
+  return {grpc::StatusCode::UNKNOWN, message};
+}
+
+v1::FinishReason to_proto(FinishReason reason) {
+  switch (reason) {
+    case FinishReason::kLength: return v1::FINISH_REASON_LENGTH;
+    case FinishReason::kStop: return v1::FINISH_REASON_STOP;
+    case FinishReason::kCancelled: return v1::FINISH_REASON_CANCELLED;
+  }
+  return v1::FINISH_REASON_UNSPECIFIED;
+}
+
+void fill_timings(const TurnStats& s, v1::Timings* out) {
+  out->set_prompt_tokens(s.prompt_tokens);
+  out->set_generated_tokens(s.generated_tokens);
+  out->set_queue_ms(s.queue_ms);
+  out->set_time_to_first_token_ms(s.time_to_first_token_ms);
+  out->set_duration_ms(s.duration_ms);
+  out->set_tokens_per_second(s.tokens_per_second);
+}
+
+Clock::time_point steady_deadline(std::chrono::system_clock::time_point deadline) {
+  if (deadline == std::chrono::system_clock::time_point::max()) return Clock::time_point::max();
+  const auto left = deadline - std::chrono::system_clock::now();
+  if (left > std::chrono::hours(24 * 365)) return Clock::time_point::max();
+  return Clock::now() + std::chrono::duration_cast<Clock::duration>(left);
+}
+
+void record_request_end(ServiceContext& ctx, const RequestRecord& record) {
+  if (ctx.metrics) {
+    ctx.metrics->count_request(stream_status_name(record.status));
+    ctx.metrics->observe_request_duration(record.duration_ms / 1000.0);
+  }
+  ctx.log->request_done(record);
+  if (record.status == StreamStatus::kResourceExhausted || record.status == StreamStatus::kInternal) {
+    ctx.log->warn(stream_status_name(record.status),
+                  std::string(record.method) + " id=" + std::string(record.request_id) + ": " +
+                      std::string(record.message));
+  }
+}
+
+grpc::ServerWriteReactor<v1::GenerateResponse>* M3ServeService::Generate(
+    grpc::CallbackServerContext* call, const v1::GenerateRequest* request) {
+  return new GenerateReactor(context_, call, request);
+}
+
+grpc::ServerBidiReactor<v1::ConverseRequest, v1::ConverseResponse>* M3ServeService::Converse(
+    grpc::CallbackServerContext* call) {
+  return new ConverseReactor(context_, call);
+}
+
+grpc::ServerUnaryReactor* M3ServeService::GetModelInfo(grpc::CallbackServerContext* call,
+                                                       const v1::GetModelInfoRequest*,
+                                                       v1::ModelInfo* response) {
+  *response = context_.model_info;
+  auto* reactor = call->DefaultReactor();
+  reactor->Finish(grpc::Status::OK);
+  return reactor;
+}
+
+}  // namespace m3

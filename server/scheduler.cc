@@ -1,0 +1,439 @@
+#include "server/scheduler.h"
+
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <exception>
+
+#include "server/metrics.h"
+
+namespace m3 {
+namespace {
+
+double ms_between(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration<double, std::milli>(b - a).count();
+}
+double seconds_between(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration<double>(b - a).count();
+}
+
+}  // namespace
+
+Scheduler::Scheduler(Engine& engine, SchedulerOptions options, ServerMetrics* metrics,
+                     std::shared_ptr<spdlog::logger> log)
+    : engine_(engine),
+      options_(options),
+      metrics_(metrics),
+      log_(log ? std::move(log) : spdlog::default_logger()),
+      flusher_(static_cast<size_t>(engine.max_slots() + options.queue_capacity) + 16) {
+  const int n = engine.max_slots();
+  slots_.resize(n);
+  for (auto& s : slots_) s.feed.reserve(512);
+  for (int i = n - 1; i >= 0; --i) free_slots_.push_back(i);
+  step_slots_.resize(n);
+  step_tokens_.resize(n);
+  step_sampled_.resize(n);
+  wake_list_.reserve(static_cast<size_t>(n + options.queue_capacity) + 16);
+  admitted_.reserve(n);
+  rejected_.reserve(static_cast<size_t>(options.queue_capacity) + 1);
+  graph_replays_seen_ = engine.stats().graph_replays;
+  thread_ = std::thread([this] { run(); });
+}
+
+Scheduler::~Scheduler() {
+  cancel_all();
+  {
+    std::lock_guard lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  thread_.join();
+}
+
+Scheduler::Admission Scheduler::submit(std::shared_ptr<Sequence> sequence) {
+  {
+    std::lock_guard lock(mu_);
+    if (!accepting_) return {StreamStatus::kUnavailable, "the server is shutting down"};
+    const int capacity = engine_.max_slots() + options_.queue_capacity;
+    if (in_flight_ >= capacity) {
+      return {StreamStatus::kResourceExhausted,
+              "server at capacity: all " + std::to_string(engine_.max_slots()) +
+                  " slots are busy and " + std::to_string(options_.queue_capacity) +
+                  " requests are already waiting (queue_capacity); retry later"};
+    }
+    waiting_.push_back(std::move(sequence));
+    ++in_flight_;
+    wake_ = true;
+  }
+  cv_.notify_one();
+  return {};
+}
+
+void Scheduler::wake() {
+  {
+    std::lock_guard lock(mu_);
+    wake_ = true;
+  }
+  cv_.notify_one();
+}
+
+void Scheduler::stop_accepting() {
+  std::lock_guard lock(mu_);
+  accepting_ = false;
+}
+
+bool Scheduler::wait_until_idle(Clock::time_point deadline) {
+  std::unique_lock lock(mu_);
+  return idle_cv_.wait_until(lock, deadline, [&] { return in_flight_ == 0; });
+}
+
+void Scheduler::cancel_all() {
+  {
+    std::lock_guard lock(mu_);
+    accepting_ = false;
+    cancel_all_ = true;
+    wake_ = true;
+  }
+  cv_.notify_one();
+  std::unique_lock lock(mu_);
+  idle_cv_.wait(lock, [&] { return in_flight_ == 0; });
+  cancel_all_ = false;
+}
+
+int Scheduler::in_flight() const {
+  std::lock_guard lock(mu_);
+  return in_flight_;
+}
+
+void Scheduler::wake_writer(const std::shared_ptr<Sequence>& seq) { wake_list_.push_back(seq); }
+
+void Scheduler::close_unadmitted(const std::shared_ptr<Sequence>& seq, StreamStatus status,
+                                 std::string message) {
+  if (seq->outbox().close(status, std::move(message))) wake_writer(seq);
+  {
+    std::lock_guard lock(mu_);
+    --in_flight_;
+  }
+  idle_cv_.notify_all();
+}
+
+void Scheduler::admit_waiting(Clock::time_point now) {
+  bool cancel_everything = false;
+  {
+    std::lock_guard lock(mu_);
+    cancel_everything = cancel_all_;
+    if (cancel_everything) {
+      while (!waiting_.empty()) {
+        rejected_.push_back(std::move(waiting_.front()));
+        waiting_.pop_front();
+      }
+    } else {
+      // Requests cancelled while waiting give their queue place back at once.
+      if (wake_) {
+        for (auto it = waiting_.begin(); it != waiting_.end();) {
+          if ((*it)->cancel_requested()) {
+            rejected_.push_back(std::move(*it));
+            it = waiting_.erase(it);
+          } else {
+            ++it;
+          }
+        }
+      }
+      while (!waiting_.empty() && admitted_.size() < free_slots_.size()) {
+        admitted_.push_back(std::move(waiting_.front()));
+        waiting_.pop_front();
+      }
+    }
+    wake_ = false;
+    if (metrics_) metrics_->set_queue_depth(static_cast<int>(waiting_.size()));
+  }
+  for (auto& seq : rejected_) {
+    if (cancel_everything) {
+      close_unadmitted(seq, StreamStatus::kUnavailable, "the server is shutting down");
+    } else {
+      close_unadmitted(seq, seq->cancel_status(), seq->cancel_message());
+    }
+  }
+  rejected_.clear();
+
+  for (auto& seq : admitted_) {
+    seq->summary.queue_ms = ms_between(seq->arrival(), now);
+    if (seq->cancel_requested()) {
+      close_unadmitted(seq, seq->cancel_status(), seq->cancel_message());
+      continue;
+    }
+    if (now >= seq->params().deadline) {
+      close_unadmitted(seq, StreamStatus::kDeadlineExceeded,
+                       "deadline exceeded while waiting for a free slot");
+      continue;
+    }
+    const int i = free_slots_.back();
+    free_slots_.pop_back();
+    engine_.reset(i);
+    engine_.set_sampling(i, seq->params().sampling);
+    Slot& s = slots_[i];
+    s.seq = std::move(seq);
+    s.phase = Phase::kIdle;
+    s.feed.clear();
+    s.fed = 0;
+    s.reply_requested = false;
+    s.reply_max_new = 0;
+    s.has_sample = false;
+    s.generated = 0;
+    s.turn = 0;
+    s.turn_prompt_tokens = 0;
+    s.turn_start = s.seq->arrival();
+    s.seq->mark_input_changed();
+    ++active_;
+  }
+  admitted_.clear();
+
+  if (cancel_everything) shutdown_all_slots();
+}
+
+void Scheduler::shutdown_all_slots() {
+  const Clock::time_point now = Clock::now();
+  for (int i = 0; i < static_cast<int>(slots_.size()); ++i) {
+    Slot& s = slots_[i];
+    if (!s.seq) continue;
+    if (!s.seq->params().session) {
+      end_reply(i, FinishReason::kCancelled, now);  // Finished{CANCELLED}, then OK
+      continue;
+    }
+    if (s.phase == Phase::kReplying) end_reply(i, FinishReason::kCancelled, now);
+    finish(i, StreamStatus::kUnavailable, "the server is shutting down");
+  }
+}
+
+void Scheduler::pull_input(Slot& s) {
+  if (s.reply_requested) return;  // the rest belongs to later turns
+  if (s.fed == s.feed.size()) {
+    s.feed.clear();
+    s.fed = 0;
+  }
+  Sequence::InputSegment seg = s.seq->take_input(&s.feed);
+  if (seg.end_turn) {
+    s.reply_requested = true;
+    s.reply_max_new = seg.max_new_tokens;
+    if (s.seq->params().session) s.turn_start = seg.end_turn_time;
+  }
+  if (s.fed < s.feed.size()) s.phase = Phase::kFeeding;
+}
+
+void Scheduler::service_slot(int i, Clock::time_point now) {
+  Slot& s = slots_[i];
+  Sequence& seq = *s.seq;
+  if (seq.cancel_requested()) {
+    finish(i, seq.cancel_status(), seq.cancel_message());
+    return;
+  }
+  if (now >= seq.params().deadline) {
+    finish(i, StreamStatus::kDeadlineExceeded,
+           "deadline exceeded after " + std::to_string(seq.summary.generated_tokens) +
+               " generated tokens");
+    return;
+  }
+  if (s.phase == Phase::kReplying || !seq.input_changed()) return;
+
+  pull_input(s);
+  if (s.fed < s.feed.size()) return;  // feeding goes on in the next step
+  if (s.reply_requested) {
+    if (!s.has_sample) {
+      finish(i, StreamStatus::kInvalidArgument, "end_turn with no input tokens to reply to");
+      return;
+    }
+    // The last input token was fed already: its sample is the reply's first token.
+    s.phase = Phase::kReplying;
+    emit(i, s.last_sample, now);
+    return;
+  }
+  s.phase = Phase::kIdle;
+  if (seq.input_closed_and_empty()) finish(i, StreamStatus::kOk, "");
+}
+
+void Scheduler::emit(int i, int32_t token, Clock::time_point now) {
+  Slot& s = slots_[i];
+  Sequence& seq = *s.seq;
+  ++s.generated;
+  ++seq.summary.generated_tokens;
+  ++tokens_this_step_;
+  if (s.generated == 1) {
+    s.first_token_time = now;
+    if (metrics_) metrics_->observe_time_to_first_token(seconds_between(s.turn_start, now));
+    if (seq.summary.time_to_first_token_ms < 0)
+      seq.summary.time_to_first_token_ms = ms_between(s.turn_start, now);
+  } else if (metrics_) {
+    metrics_->observe_inter_token_latency(seconds_between(s.last_token_time, now));
+  }
+  s.last_token_time = now;
+  s.last_emitted = token;
+
+  switch (seq.outbox().push(token)) {
+    case TokenOutbox::Push::kQueued:
+      break;
+    case TokenOutbox::Push::kWakeWriter:
+      wake_writer(s.seq);
+      break;
+    case TokenOutbox::Push::kOverflow:
+      finish(i, StreamStatus::kResourceExhausted,
+             "the client reads too slowly: " + std::to_string(seq.outbox().capacity()) +
+                 " generated tokens were left unread (stream_buffer_tokens); stream cancelled");
+      return;
+  }
+  const auto& stops = seq.params().stop_token_ids;
+  if (std::find(stops.begin(), stops.end(), token) != stops.end()) {
+    end_reply(i, FinishReason::kStop, now);
+  } else if (s.generated >= s.reply_max_new) {
+    end_reply(i, FinishReason::kLength, now);
+  }
+}
+
+void Scheduler::end_reply(int i, FinishReason reason, Clock::time_point now) {
+  Slot& s = slots_[i];
+  Sequence& seq = *s.seq;
+  TurnEnd end;
+  end.turn = s.turn;
+  end.reason = reason;
+  end.stats.prompt_tokens = s.turn_prompt_tokens;
+  end.stats.generated_tokens = s.generated;
+  end.stats.queue_ms = s.turn == 0 ? seq.summary.queue_ms : 0.0;
+  end.stats.time_to_first_token_ms = s.generated > 0 ? ms_between(s.turn_start, s.first_token_time) : 0.0;
+  end.stats.duration_ms = ms_between(s.turn_start, now);
+  if (s.generated > 1 && s.last_token_time > s.first_token_time)
+    end.stats.tokens_per_second =
+        (s.generated - 1) / seconds_between(s.first_token_time, s.last_token_time);
+  seq.summary.prompt_tokens += s.turn_prompt_tokens;
+  ++seq.summary.turns;
+  if (seq.outbox().end_turn(end)) wake_writer(s.seq);
+
+  if (!seq.params().session) {
+    finish(i, StreamStatus::kOk, "");
+    return;
+  }
+  // The next turn starts by feeding this reply's last token (it is context too).
+  const int32_t carry = s.generated > 0 ? s.last_emitted : -1;
+  ++s.turn;
+  s.reply_requested = false;
+  s.generated = 0;
+  s.turn_prompt_tokens = 0;
+  s.feed.clear();
+  s.fed = 0;
+  s.has_sample = false;
+  if (carry >= 0) {
+    s.feed.push_back(carry);
+    s.phase = Phase::kFeeding;
+  } else {
+    s.phase = Phase::kIdle;
+  }
+  seq.mark_input_changed();
+}
+
+void Scheduler::finish(int i, StreamStatus status, std::string message) {
+  Slot& s = slots_[i];
+  std::shared_ptr<Sequence> seq = std::move(s.seq);
+  s.seq.reset();
+  if (seq->summary.turns == 0) seq->summary.prompt_tokens = s.turn_prompt_tokens;
+  s.phase = Phase::kFree;
+  if (seq->outbox().close(status, std::move(message))) wake_writer(seq);
+  free_slots_.push_back(i);
+  --active_;
+  {
+    std::lock_guard lock(mu_);
+    --in_flight_;
+  }
+  idle_cv_.notify_all();
+}
+
+void Scheduler::run() {
+  for (;;) {
+    Clock::time_point now = Clock::now();
+    {
+      std::lock_guard lock(mu_);
+      if (stop_) break;
+    }
+    admit_waiting(now);
+
+    // Token boundary: cancellations, deadlines and new input take effect here.
+    int n = 0;
+    for (int i = 0; i < static_cast<int>(slots_.size()); ++i) {
+      if (!slots_[i].seq) continue;
+      service_slot(i, now);
+      const Slot& s = slots_[i];
+      if (!s.seq) continue;
+      if (s.phase == Phase::kFeeding) {
+        step_slots_[n] = i;
+        step_tokens_[n] = s.feed[s.fed];
+        ++n;
+      } else if (s.phase == Phase::kReplying) {
+        step_slots_[n] = i;
+        step_tokens_[n] = kContinueToken;
+        ++n;
+      }
+    }
+
+    if (n == 0) {
+      flusher_.wake_all(&wake_list_);
+      if (metrics_) {
+        metrics_->add_tokens_generated(tokens_this_step_);
+        metrics_->set_active_sequences(active_);
+        metrics_->set_batch_size(0);
+      }
+      tokens_this_step_ = 0;
+      std::unique_lock lock(mu_);
+      cv_.wait(lock, [&] { return wake_ || stop_; });
+      continue;
+    }
+
+    try {
+      engine_.step(std::span<const int32_t>(step_slots_.data(), n),
+                   std::span<const int32_t>(step_tokens_.data(), n),
+                   std::span<int32_t>(step_sampled_.data(), n));
+    } catch (const std::exception& e) {
+      log_->error("engine step failed for {} sequences: {}", n, e.what());
+      for (int k = 0; k < n; ++k)
+        finish(step_slots_[k], StreamStatus::kInternal, std::string("engine error: ") + e.what());
+      flusher_.wake_all(&wake_list_);
+      continue;
+    }
+    now = Clock::now();
+
+    for (int k = 0; k < n; ++k) {
+      const int i = step_slots_[k];
+      Slot& s = slots_[i];
+      if (!s.seq) continue;
+      const int32_t token = step_sampled_[k];
+      if (s.phase == Phase::kFeeding) {
+        ++s.fed;
+        ++s.turn_prompt_tokens;
+        s.has_sample = true;
+        s.last_sample = token;
+        if (s.fed < s.feed.size()) continue;
+        if (s.reply_requested) {
+          s.phase = Phase::kReplying;
+          emit(i, token, now);
+        } else {
+          s.phase = Phase::kIdle;
+          // Input that arrived meanwhile is picked up at the next boundary.
+          s.seq->mark_input_changed();
+        }
+      } else {
+        emit(i, token, now);
+      }
+    }
+
+    flusher_.wake_all(&wake_list_);
+    if (metrics_) {
+      metrics_->add_tokens_generated(tokens_this_step_);
+      metrics_->set_batch_size(n);
+      metrics_->set_active_sequences(active_);
+      const uint64_t replays = engine_.stats().graph_replays;
+      if (replays != graph_replays_seen_) {
+        metrics_->add_graph_replays(replays - graph_replays_seen_);
+        graph_replays_seen_ = replays;
+      }
+    }
+    tokens_this_step_ = 0;
+  }
+}
+
+}  // namespace m3

@@ -1,0 +1,80 @@
+#include "server/sequence.h"
+
+namespace m3 {
+
+Sequence::Sequence(SequenceParams params, size_t outbox_capacity, StreamWriter* writer)
+    : params_(std::move(params)), outbox_(outbox_capacity), writer_(writer), arrival_(Clock::now()) {}
+
+void Sequence::add_input(std::span<const int32_t> tokens) {
+  if (tokens.empty()) return;
+  {
+    std::lock_guard lock(input_mu_);
+    if (input_.empty() || input_.back().end_turn) input_.emplace_back();
+    input_.back().tokens.insert(input_.back().tokens.end(), tokens.begin(), tokens.end());
+  }
+  mark_input_changed();
+}
+
+void Sequence::end_turn(uint32_t max_new_tokens) {
+  {
+    std::lock_guard lock(input_mu_);
+    if (input_.empty() || input_.back().end_turn) input_.emplace_back();
+    input_.back().end_turn = true;
+    input_.back().max_new_tokens = max_new_tokens;
+    input_.back().end_turn_time = Clock::now();
+  }
+  mark_input_changed();
+}
+
+void Sequence::close_input() {
+  {
+    std::lock_guard lock(input_mu_);
+    input_closed_ = true;
+  }
+  mark_input_changed();
+}
+
+void Sequence::request_cancel(StreamStatus status, std::string message) {
+  {
+    std::lock_guard lock(cancel_mu_);
+    if (cancel_requested_.load()) return;  // the first reason wins
+    cancel_status_ = status;
+    cancel_message_ = std::move(message);
+  }
+  cancel_requested_.store(true, std::memory_order_release);
+}
+
+StreamStatus Sequence::cancel_status() {
+  std::lock_guard lock(cancel_mu_);
+  return cancel_status_;
+}
+
+std::string Sequence::cancel_message() {
+  std::lock_guard lock(cancel_mu_);
+  return cancel_message_;
+}
+
+Sequence::InputSegment Sequence::take_input(std::vector<int32_t>* feed) {
+  std::lock_guard lock(input_mu_);
+  InputSegment result;
+  while (!input_.empty()) {
+    InputSegment& front = input_.front();
+    feed->insert(feed->end(), front.tokens.begin(), front.tokens.end());
+    if (front.end_turn) {
+      result.end_turn = true;
+      result.max_new_tokens = front.max_new_tokens;
+      result.end_turn_time = front.end_turn_time;
+      input_.pop_front();
+      break;
+    }
+    input_.pop_front();
+  }
+  return result;
+}
+
+bool Sequence::input_closed_and_empty() {
+  std::lock_guard lock(input_mu_);
+  return input_closed_ && input_.empty();
+}
+
+}  // namespace m3

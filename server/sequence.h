@@ -1,0 +1,103 @@
+// One request as the scheduler and its gRPC stream share it: the parameters fixed at
+// the start, the input the client sends (a Generate prompt, or a Converse session's
+// turns as they arrive), the outbox of generated tokens, and the flags the stream sets
+// (cancelled, input closed) that the engine thread reads at the next token boundary.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <deque>
+#include <mutex>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "model/engine.h"
+#include "server/token_outbox.h"
+
+namespace m3 {
+
+using Clock = std::chrono::steady_clock;
+
+// The stream side of a sequence (a gRPC reactor). flush() sends what the outbox holds;
+// it is called only by whoever TokenOutbox told to wake the writer.
+class StreamWriter {
+ public:
+  virtual ~StreamWriter() = default;
+  virtual void flush() = 0;
+};
+
+struct SequenceParams {
+  std::string request_id;
+  bool session = false;  // Converse: the slot stays with the client across turns
+  SamplingParams sampling;
+  uint32_t max_new_tokens = 0;  // per reply (a Converse EndTurn may override)
+  std::vector<int32_t> stop_token_ids;
+  Clock::time_point deadline = Clock::time_point::max();
+};
+
+// What the scheduler reports about a finished sequence (for the request log line).
+struct SequenceSummary {
+  uint32_t prompt_tokens = 0;      // all turns
+  uint32_t generated_tokens = 0;   // all turns
+  uint32_t turns = 0;
+  double time_to_first_token_ms = -1;  // first turn; -1: no token was made
+  double queue_ms = 0;
+};
+
+class Sequence {
+ public:
+  Sequence(SequenceParams params, size_t outbox_capacity, StreamWriter* writer);
+
+  const SequenceParams& params() const { return params_; }
+  TokenOutbox& outbox() { return outbox_; }
+  StreamWriter* writer() const { return writer_; }
+  Clock::time_point arrival() const { return arrival_; }
+
+  // Stream side. Input of the current turn; end_turn closes the turn and asks for a
+  // reply of max_new_tokens (already resolved against the session's value).
+  void add_input(std::span<const int32_t> tokens);
+  void end_turn(uint32_t max_new_tokens);
+  void close_input();  // the client will send nothing more
+  // Ends the sequence at the next token boundary with this status.
+  void request_cancel(StreamStatus status, std::string message);
+
+  // Engine thread.
+  struct InputSegment {
+    std::vector<int32_t> tokens;
+    bool end_turn = false;
+    uint32_t max_new_tokens = 0;
+    Clock::time_point end_turn_time;
+  };
+  bool input_changed() { return input_changed_.exchange(false, std::memory_order_acq_rel); }
+  void mark_input_changed() { input_changed_.store(true, std::memory_order_release); }
+  // Moves input up to and including the next end_turn into *feed; returns that
+  // segment's end_turn info (end_turn false when none has arrived yet).
+  InputSegment take_input(std::vector<int32_t>* feed);
+  bool input_closed_and_empty();
+  bool cancel_requested() const { return cancel_requested_.load(std::memory_order_acquire); }
+  StreamStatus cancel_status();
+  std::string cancel_message();
+
+  // Written by the engine thread before the outbox closes; read by the stream after.
+  SequenceSummary summary;
+
+ private:
+  SequenceParams params_;
+  TokenOutbox outbox_;
+  StreamWriter* writer_;
+  Clock::time_point arrival_;
+
+  std::mutex input_mu_;
+  std::deque<InputSegment> input_;
+  bool input_closed_ = false;
+  std::atomic<bool> input_changed_{false};
+
+  std::atomic<bool> cancel_requested_{false};
+  std::mutex cancel_mu_;
+  StreamStatus cancel_status_ = StreamStatus::kCancelled;
+  std::string cancel_message_;
+};
+
+}  // namespace m3

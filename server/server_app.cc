@@ -1,0 +1,143 @@
+#include "server/server_app.h"
+
+#include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/grpcpp.h>
+#include <grpcpp/health_check_service_interface.h>
+#include <spdlog/spdlog.h>
+
+#include <stdexcept>
+#include <thread>
+
+#include "model/engine.h"
+#include "model/tokenizer.h"
+#include "model/weights.h"
+#include "server/demo_model.h"
+#include "server/m3serve_service.h"
+#include "server/metrics.h"
+#include "server/request_log.h"
+#include "server/scheduler.h"
+#include "server/service_context.h"
+
+namespace m3 {
+namespace {
+
+WeightDType weight_dtype_of(const std::string& name) {
+  return name == "fp32" ? WeightDType::F32 : WeightDType::BF16;
+}
+
+}  // namespace
+
+ServerApp::ServerApp(const ServerConfig& config, std::shared_ptr<spdlog::logger> logger)
+    : config_(config), logger_(logger ? std::move(logger) : spdlog::default_logger()) {
+  config_.validate();
+
+  std::filesystem::path model_dir = config_.model;
+  if (model_dir.empty()) {
+    model_dir = ensure_demo_model(config_.demo_model_dir);
+    demo_model_ = true;
+    logger_->warn("no --model given: serving a DEMO model with random weights from {} "
+                  "(its output is meaningless)", model_dir.string());
+  }
+  weights_ = std::make_unique<ModelWeights>(ModelWeights::load(model_dir));
+
+  EngineOptions engine_options;
+  engine_options.max_slots = config_.max_batch;
+  engine_options.weight_dtype = weight_dtype_of(config_.weight_dtype);
+  engine_options.device = config_.device;
+  engine_options.cpu_threads = config_.cpu_threads;
+  engine_options.use_graphs = config_.cuda_graphs;
+  engine_ = make_engine(config_.backend, *weights_, engine_options);
+  const ModelConfig& mc = engine_->config();
+  logger_->info("model {}: {} layers, d_model {}, vocab {}, {} parameters; backend {} with {} slots",
+                model_dir.string(), mc.n_layer, mc.d_model, mc.vocab_size, mc.parameter_count(),
+                engine_->backend(), engine_->max_slots());
+
+  if (!config_.tokenizer.empty()) {
+    tokenizer_ = Tokenizer::load(config_.tokenizer);
+    if (tokenizer_->vocab_size() > mc.vocab_size) {
+      logger_->warn("tokenizer {} has {} pieces but the model's vocabulary has {}: text that "
+                    "encodes to larger ids is refused",
+                    config_.tokenizer, tokenizer_->vocab_size(), mc.vocab_size);
+    }
+  }
+
+  metrics_ = std::make_unique<ServerMetrics>(config_.metrics_listen);
+  request_log_ = std::make_unique<RequestLog>(logger_);
+  SchedulerOptions scheduler_options;
+  scheduler_options.queue_capacity = config_.queue_capacity;
+  scheduler_ = std::make_unique<Scheduler>(*engine_, scheduler_options, metrics_.get(), logger_);
+
+  context_ = std::make_unique<ServiceContext>();
+  context_->scheduler = scheduler_.get();
+  context_->metrics = metrics_.get();
+  context_->log = request_log_.get();
+  context_->tokenizer = tokenizer_.get();
+  context_->limits.vocab_size = mc.vocab_size;
+  context_->limits.max_new_tokens_limit = config_.max_new_tokens_limit;
+  context_->limits.max_prompt_tokens = config_.max_prompt_tokens;
+  context_->limits.has_tokenizer = tokenizer_ != nullptr;
+  context_->stream_buffer_tokens = static_cast<size_t>(config_.stream_buffer_tokens);
+  v1::ModelInfo& info = context_->model_info;
+  info.set_model_name(demo_model_ ? "demo-tiny (random weights)" : model_dir.filename().string());
+  info.set_backend(std::string(engine_->backend()));
+  info.set_weight_dtype(engine_->backend() == "cpu" ? "fp32" : config_.weight_dtype);
+  info.set_n_layer(mc.n_layer);
+  info.set_d_model(mc.d_model);
+  info.set_vocab_size(mc.vocab_size);
+  info.set_padded_vocab_size(mc.padded_vocab());
+  info.set_d_state(mc.ssm.d_state);
+  info.set_headdim(mc.ssm.headdim);
+  info.set_mimo_rank(mc.ssm.mimo_rank);
+  info.set_max_batch(engine_->max_slots());
+  info.set_has_tokenizer(tokenizer_ != nullptr);
+  info.set_demo_model(demo_model_);
+  service_ = std::make_unique<M3ServeService>(*context_);
+
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort(config_.listen, grpc::InsecureServerCredentials(), &port_);
+  builder.RegisterService(service_.get());
+  server_ = builder.BuildAndStart();
+  if (!server_ || port_ == 0)
+    throw std::runtime_error("cannot listen for gRPC on " + config_.listen +
+                             " (address in use, or not an address of this machine?)");
+  server_->GetHealthCheckService()->SetServingStatus(true);
+  logger_->info("serving m3serve.v1.M3Serve on {} (metrics: {})", address(),
+                config_.metrics_listen.empty()
+                    ? std::string("off")
+                    : "http://" + config_.metrics_listen.substr(0, config_.metrics_listen.rfind(':')) +
+                          ":" + std::to_string(metrics_->exposer_port()) + "/metrics");
+}
+
+ServerApp::~ServerApp() { shutdown(std::chrono::seconds(0)); }
+
+std::string ServerApp::address() const {
+  return config_.listen.substr(0, config_.listen.rfind(':')) + ":" + std::to_string(port_);
+}
+
+void ServerApp::shutdown(std::chrono::duration<double> grace) {
+  if (stopped_) return;
+  stopped_ = true;
+  server_->GetHealthCheckService()->SetServingStatus(false);
+  scheduler_->stop_accepting();
+  const auto grace_steady = std::chrono::duration_cast<std::chrono::steady_clock::duration>(grace);
+  const auto deadline = std::chrono::steady_clock::now() + grace_steady;
+  // gRPC stops listening at once and waits for the streams (we end them below).
+  std::thread stop_listening([&] {
+    server_->Shutdown(std::chrono::system_clock::now() + grace_steady + std::chrono::seconds(5));
+  });
+  const int running = scheduler_->in_flight();
+  if (running > 0)
+    logger_->info("shutting down: {} streams in flight, {:.1f}s to finish", running, grace.count());
+  if (!scheduler_->wait_until_idle(deadline)) {
+    logger_->warn("shutting down: cancelling {} streams still running after the grace period",
+                  scheduler_->in_flight());
+  }
+  scheduler_->cancel_all();
+  stop_listening.join();
+  server_->Wait();
+  logger_->info("server stopped");
+}
+
+}  // namespace m3

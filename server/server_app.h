@@ -1,0 +1,64 @@
+// The whole server assembled from a ServerConfig: model (or the demo model), engine,
+// tokenizer, metrics, scheduler and the gRPC server with health and reflection.
+// m3serve's main() and the integration tests both run it.
+#pragma once
+
+#include <chrono>
+#include <memory>
+#include <string>
+
+#include "server/server_config.h"
+
+namespace grpc {
+class Server;
+}
+namespace spdlog {
+class logger;
+}
+
+namespace m3 {
+
+class Engine;
+class ModelWeights;
+class Tokenizer;
+class ServerMetrics;
+class Scheduler;
+class RequestLog;
+class M3ServeService;
+struct ServiceContext;
+
+class ServerApp {
+ public:
+  // Loads everything and starts serving; throws std::runtime_error / std::invalid_argument
+  // with context when something cannot start. logger: null = spdlog's default.
+  explicit ServerApp(const ServerConfig& config, std::shared_ptr<spdlog::logger> logger = nullptr);
+  ~ServerApp();  // shutdown(0) when still serving
+
+  int port() const { return port_; }  // the bound gRPC port
+  std::string address() const;        // "host:port" as bound
+  ServerMetrics& metrics() { return *metrics_; }
+  const Engine& engine() const { return *engine_; }
+  bool demo_model() const { return demo_model_; }
+
+  // Stops accepting; in-flight streams get `grace` to finish, then are cancelled
+  // (Generate: Finished with reason CANCELLED; Converse: UNAVAILABLE). Idempotent.
+  void shutdown(std::chrono::duration<double> grace);
+
+ private:
+  ServerConfig config_;
+  std::shared_ptr<spdlog::logger> logger_;
+  bool demo_model_ = false;
+  std::unique_ptr<ModelWeights> weights_;
+  std::unique_ptr<Engine> engine_;
+  std::unique_ptr<Tokenizer> tokenizer_;
+  std::unique_ptr<ServerMetrics> metrics_;
+  std::unique_ptr<RequestLog> request_log_;
+  std::unique_ptr<Scheduler> scheduler_;
+  std::unique_ptr<ServiceContext> context_;
+  std::unique_ptr<M3ServeService> service_;
+  std::unique_ptr<grpc::Server> server_;
+  int port_ = 0;
+  bool stopped_ = false;
+};
+
+}  // namespace m3

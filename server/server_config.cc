@@ -1,0 +1,283 @@
+#include "server/server_config.h"
+
+#include <yaml-cpp/yaml.h>
+
+#include <charconv>
+#include <cmath>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <sstream>
+#include <stdexcept>
+#include <variant>
+
+namespace m3 {
+namespace {
+
+using Member = std::variant<std::string ServerConfig::*, int ServerConfig::*,
+                            double ServerConfig::*, bool ServerConfig::*>;
+
+struct Setting {
+  const char* key;
+  Member member;
+  const char* help;
+};
+
+// The one list of settings: YAML keys, flags and help all come from it.
+const std::vector<Setting>& settings() {
+  static const std::vector<Setting> kSettings = {
+      {"listen", &ServerConfig::listen, "gRPC address host:port (port 0: any free port)"},
+      {"metrics_listen", &ServerConfig::metrics_listen,
+       "Prometheus /metrics address host:port, or \"\" for none"},
+      {"model", &ServerConfig::model, "model directory (config.json + safetensors); empty: demo model"},
+      {"demo_model_dir", &ServerConfig::demo_model_dir,
+       "where the demo model is written; empty: $XDG_CACHE_HOME/m3serve or /tmp"},
+      {"tokenizer", &ServerConfig::tokenizer, "SentencePiece .model for text in/out; empty: ids only"},
+      {"backend", &ServerConfig::backend, "auto | cuda | cpu"},
+      {"weight_dtype", &ServerConfig::weight_dtype, "bf16 | fp32 (CUDA weights)"},
+      {"device", &ServerConfig::device, "CUDA device ordinal"},
+      {"cpu_threads", &ServerConfig::cpu_threads, "CPU engine threads; 0: all cores"},
+      {"cuda_graphs", &ServerConfig::cuda_graphs, "replay the decode step as a CUDA graph"},
+      {"max_batch", &ServerConfig::max_batch, "sequences decoded together (engine slots)"},
+      {"queue_capacity", &ServerConfig::queue_capacity,
+       "requests that may wait for a slot; beyond: RESOURCE_EXHAUSTED"},
+      {"max_new_tokens_limit", &ServerConfig::max_new_tokens_limit,
+       "largest max_new_tokens a request may ask"},
+      {"max_prompt_tokens", &ServerConfig::max_prompt_tokens,
+       "longest prompt (and pending Converse input) in tokens"},
+      {"stream_buffer_tokens", &ServerConfig::stream_buffer_tokens,
+       "tokens a stream may hold unread before it is cancelled (slow reader)"},
+      {"shutdown_grace_s", &ServerConfig::shutdown_grace_s,
+       "seconds in-flight streams get to finish on SIGTERM/SIGINT"},
+      {"log_level", &ServerConfig::log_level, "trace | debug | info | warn | error | off"},
+  };
+  return kSettings;
+}
+
+const Setting* find_setting(const std::string& key) {
+  for (const auto& s : settings())
+    if (key == s.key) return &s;
+  return nullptr;
+}
+
+std::string known_keys() {
+  std::string out;
+  for (const auto& s : settings()) {
+    if (!out.empty()) out += ", ";
+    out += s.key;
+  }
+  return out;
+}
+
+std::string flag_name(const char* key) {
+  std::string f = std::string("--") + key;
+  for (char& c : f)
+    if (c == '_') c = '-';
+  return f;
+}
+
+// Parses `text` into the member; returns "" or what was wrong ("expected an integer").
+std::string assign(ServerConfig& config, const Member& member, const std::string& text) {
+  return std::visit(
+      [&](auto ptr) -> std::string {
+        using T = std::remove_reference_t<decltype(config.*ptr)>;
+        if constexpr (std::is_same_v<T, std::string>) {
+          config.*ptr = text;
+          return "";
+        } else if constexpr (std::is_same_v<T, int>) {
+          int v = 0;
+          auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+          if (text.empty() || ec != std::errc() || end != text.data() + text.size())
+            return "expected an integer, got '" + text + "'";
+          config.*ptr = v;
+          return "";
+        } else if constexpr (std::is_same_v<T, double>) {
+          char* end = nullptr;
+          double v = std::strtod(text.c_str(), &end);
+          if (text.empty() || end != text.c_str() + text.size())
+            return "expected a number, got '" + text + "'";
+          config.*ptr = v;
+          return "";
+        } else {
+          if (text == "true" || text == "yes" || text == "on") {
+            config.*ptr = true;
+          } else if (text == "false" || text == "no" || text == "off") {
+            config.*ptr = false;
+          } else {
+            return "expected true or false, got '" + text + "'";
+          }
+          return "";
+        }
+      },
+      member);
+}
+
+void check_int(const char* key, int value, int lo, int hi) {
+  if (value < lo || value > hi)
+    throw std::invalid_argument(std::string(key) + " must be between " + std::to_string(lo) +
+                                " and " + std::to_string(hi) + ", got " + std::to_string(value));
+}
+
+void check_one_of(const char* key, const std::string& value,
+                  std::initializer_list<const char*> allowed) {
+  std::string list;
+  for (const char* a : allowed) {
+    if (value == a) return;
+    if (!list.empty()) list += ", ";
+    list += a;
+  }
+  throw std::invalid_argument(std::string(key) + " must be one of " + list + ", got '" + value +
+                              "'");
+}
+
+void check_address(const char* key, const std::string& value) {
+  auto colon = value.rfind(':');
+  bool ok = colon != std::string::npos && colon > 0 && colon + 1 < value.size();
+  if (ok) {
+    int port = -1;
+    const char* b = value.data() + colon + 1;
+    const char* e = value.data() + value.size();
+    auto [end, ec] = std::from_chars(b, e, port);
+    ok = ec == std::errc() && end == e && port >= 0 && port <= 65535;
+  }
+  if (!ok)
+    throw std::invalid_argument(std::string(key) + " must be host:port (port 0..65535), got '" +
+                                value + "'");
+}
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw std::invalid_argument(path + ": cannot open the config file");
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+}  // namespace
+
+void ServerConfig::validate() const {
+  check_address("listen", listen);
+  if (!metrics_listen.empty()) check_address("metrics_listen", metrics_listen);
+  check_one_of("backend", backend, {"auto", "cuda", "cpu"});
+  check_one_of("weight_dtype", weight_dtype, {"bf16", "fp32"});
+  check_one_of("log_level", log_level, {"trace", "debug", "info", "warn", "error", "off"});
+  check_int("device", device, 0, 63);
+  check_int("cpu_threads", cpu_threads, 0, 1024);
+  check_int("max_batch", max_batch, 1, 1024);
+  check_int("queue_capacity", queue_capacity, 0, 1'000'000);
+  check_int("max_new_tokens_limit", max_new_tokens_limit, 1, 1 << 24);
+  check_int("max_prompt_tokens", max_prompt_tokens, 1, 1 << 24);
+  check_int("stream_buffer_tokens", stream_buffer_tokens, 1, 1 << 24);
+  if (!std::isfinite(shutdown_grace_s) || shutdown_grace_s < 0 || shutdown_grace_s > 3600)
+    throw std::invalid_argument("shutdown_grace_s must be between 0 and 3600 seconds, got " +
+                                std::to_string(shutdown_grace_s));
+  if (!model.empty() && !std::filesystem::is_directory(model))
+    throw std::invalid_argument("model: '" + model + "' is not a directory");
+  if (!tokenizer.empty() && !std::filesystem::is_regular_file(tokenizer))
+    throw std::invalid_argument("tokenizer: '" + tokenizer + "' is not a file");
+}
+
+ServerConfig parse_server_config_yaml(const std::string& yaml_text, const std::string& source,
+                                      ServerConfig base) {
+  YAML::Node root;
+  try {
+    root = YAML::Load(yaml_text);
+  } catch (const YAML::Exception& e) {
+    throw std::invalid_argument(source + ": not valid YAML: " + e.what());
+  }
+  if (root.IsNull()) return base;  // an empty file: all defaults
+  if (!root.IsMap())
+    throw std::invalid_argument(source + ": expected a mapping of settings at the top level");
+  for (const auto& item : root) {
+    const std::string key = item.first.as<std::string>();
+    const Setting* setting = find_setting(key);
+    if (!setting)
+      throw std::invalid_argument(source + ": unknown key '" + key + "' (known: " + known_keys() +
+                                  ")");
+    const YAML::Node& value = item.second;
+    std::string text;
+    if (value.IsNull()) {
+      text = "";
+    } else if (value.IsScalar()) {
+      text = value.Scalar();
+    } else {
+      throw std::invalid_argument(source + ": key '" + key +
+                                  "': expected a single value, got a list or mapping");
+    }
+    if (std::string err = assign(base, setting->member, text); !err.empty())
+      throw std::invalid_argument(source + ": key '" + key + "': " + err);
+  }
+  return base;
+}
+
+ServerConfig load_server_config_file(const std::string& path, ServerConfig base) {
+  return parse_server_config_yaml(read_file(path), path, std::move(base));
+}
+
+CommandLine parse_command_line(const std::vector<std::string>& args,
+                               const std::string& default_config_path) {
+  CommandLine out;
+  // The file first, so flags override it wherever --config appears.
+  std::string config_path;
+  for (size_t i = 0; i < args.size(); ++i) {
+    if (args[i] == "--config") {
+      if (i + 1 >= args.size()) throw std::invalid_argument("--config needs a file argument");
+      config_path = args[i + 1];
+    } else if (args[i].rfind("--config=", 0) == 0) {
+      config_path = args[i].substr(9);
+    }
+  }
+  if (!config_path.empty()) {
+    out.config = load_server_config_file(config_path);
+  } else if (!default_config_path.empty() && std::filesystem::exists(default_config_path)) {
+    out.config = load_server_config_file(default_config_path);
+  }
+
+  for (size_t i = 0; i < args.size(); ++i) {
+    std::string arg = args[i];
+    if (arg == "--help" || arg == "-h") {
+      out.help = true;
+      continue;
+    }
+    std::string value;
+    bool has_inline_value = false;
+    if (auto eq = arg.find('='); arg.rfind("--", 0) == 0 && eq != std::string::npos) {
+      value = arg.substr(eq + 1);
+      arg = arg.substr(0, eq);
+      has_inline_value = true;
+    }
+    if (arg == "--config") {
+      if (!has_inline_value) ++i;
+      continue;
+    }
+    const Setting* setting = nullptr;
+    for (const auto& s : settings())
+      if (arg == flag_name(s.key)) setting = &s;
+    if (!setting)
+      throw std::invalid_argument("unknown flag '" + args[i] + "' (see --help)");
+    if (!has_inline_value) {
+      if (i + 1 >= args.size()) throw std::invalid_argument(arg + " needs a value");
+      value = args[++i];
+    }
+    if (std::string err = assign(out.config, setting->member, value); !err.empty())
+      throw std::invalid_argument(arg + ": " + err);
+  }
+  if (!out.help) out.config.validate();
+  return out;
+}
+
+std::string command_line_help() {
+  std::string out =
+      "m3serve: serves a Mamba-3 MIMO decoder over gRPC.\n\n"
+      "usage: m3serve [--config FILE] [--FLAG VALUE ...]\n\n"
+      "  --config FILE  YAML settings (default: configs/server.yaml when it exists);\n"
+      "                 flags override it. Each YAML key some_key is the flag --some-key.\n";
+  for (const auto& s : settings()) {
+    std::string f = flag_name(s.key);
+    out += "  " + f + std::string(f.size() < 24 ? 24 - f.size() : 1, ' ') + s.help + "\n";
+  }
+  return out;
+}
+
+}  // namespace m3

@@ -1,0 +1,54 @@
+// Every m3serve setting in one typed struct: read from a YAML file (configs/server.yaml),
+// overridden by command-line flags, validated before anything starts. Each YAML key
+// `some_key` has the flag `--some-key VALUE`.
+#pragma once
+
+#include <string>
+#include <vector>
+
+namespace m3 {
+
+struct ServerConfig {
+  std::string listen = "0.0.0.0:50051";     // gRPC address (port 0: any free port)
+  std::string metrics_listen = "0.0.0.0:9464";  // Prometheus /metrics; "" = off
+  std::string model;                         // model directory; "" = generated demo model
+  std::string demo_model_dir;                // where the demo model goes; "" = cache dir
+  std::string tokenizer;                     // SentencePiece .model; "" = token ids only
+  std::string backend = "auto";              // auto | cuda | cpu
+  std::string weight_dtype = "bf16";         // bf16 | fp32 (CUDA; CPU is always fp32)
+  int device = 0;                            // CUDA device ordinal
+  int cpu_threads = 0;                       // CPU engine threads; 0 = all cores
+  bool cuda_graphs = true;                   // off only for debugging
+  int max_batch = 8;                         // engine slots = sequences decoded together
+  int queue_capacity = 64;                   // requests waiting for a slot; more: RESOURCE_EXHAUSTED
+  int max_new_tokens_limit = 4096;           // per request / per reply
+  int max_prompt_tokens = 8192;              // per prompt / per pending Converse input
+  int stream_buffer_tokens = 1024;           // unread tokens per stream before it is cancelled
+  double shutdown_grace_s = 10.0;            // in-flight streams get this long to finish
+  std::string log_level = "info";            // trace | debug | info | warn | error | off
+
+  // Throws std::invalid_argument naming the setting when a value is out of range.
+  void validate() const;
+};
+
+// Reads YAML text; `source` names it in errors ("configs/server.yaml: unknown key
+// 'max_bach'"). Keys not given keep `base`'s values.
+ServerConfig parse_server_config_yaml(const std::string& yaml_text, const std::string& source,
+                                      ServerConfig base = {});
+ServerConfig load_server_config_file(const std::string& path, ServerConfig base = {});
+
+// What the command line asked for.
+struct CommandLine {
+  ServerConfig config;
+  bool help = false;
+};
+
+// args excludes argv[0]. `--config FILE` is read first (wherever it appears); without it
+// `default_config_path` is read when that file exists. Other flags then override it.
+// Throws std::invalid_argument with a message naming the flag. Validates the result.
+CommandLine parse_command_line(const std::vector<std::string>& args,
+                               const std::string& default_config_path = "configs/server.yaml");
+
+std::string command_line_help();
+
+}  // namespace m3

@@ -1,0 +1,43 @@
+// What the gRPC stream handlers share: the scheduler, limits, tokenizer, metrics and
+// log, plus the small conversions between gRPC and the scheduler's types.
+#pragma once
+
+#include <grpcpp/grpcpp.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <string>
+
+#include "m3serve.pb.h"
+#include "server/request_log.h"
+#include "server/request_validation.h"
+#include "server/scheduler.h"
+
+namespace m3 {
+
+class ServerMetrics;
+class Tokenizer;
+
+struct ServiceContext {
+  Scheduler* scheduler = nullptr;
+  ServerMetrics* metrics = nullptr;  // may be null
+  RequestLog* log = nullptr;
+  const Tokenizer* tokenizer = nullptr;  // null: token ids only
+  RequestLimits limits;
+  size_t stream_buffer_tokens = 1024;
+  v1::ModelInfo model_info;
+  std::atomic<uint64_t> request_counter{0};
+
+  std::string make_request_id(const char* prefix) { return prefix + std::to_string(++request_counter); }
+};
+
+grpc::Status to_grpc_status(StreamStatus status, const std::string& message);
+v1::FinishReason to_proto(FinishReason reason);
+void fill_timings(const TurnStats& stats, v1::Timings* out);
+// gRPC deadlines are wall-clock; the scheduler compares steady-clock times.
+Clock::time_point steady_deadline(std::chrono::system_clock::time_point deadline);
+// After a stream ends: the request counter, the duration histogram, the log line.
+void record_request_end(ServiceContext& ctx, const RequestRecord& record);
+
+}  // namespace m3

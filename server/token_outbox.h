@@ -1,0 +1,94 @@
+// What the engine thread has made for one stream and the stream's writer has not sent
+// yet: generated tokens (a fixed-size ring, so pushing never allocates), the turn ends
+// between them, and finally the stream's status.
+//
+// Slow readers: tokens made while a write is in flight are coalesced into the next
+// Tokens message. When `capacity` tokens are unread, push() reports an overflow and
+// the scheduler ends the stream with RESOURCE_EXHAUSTED; the model never waits for a
+// reader, so one slow client cannot stall the batch.
+//
+// One writer at a time: push()/end_turn()/close() return true when the writer is idle
+// and must be woken (the caller hands the stream to the StreamFlusher); the writer then
+// calls take() until it returns kNothing, which marks it idle again.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <deque>
+#include <mutex>
+#include <string>
+#include <vector>
+
+namespace m3 {
+
+enum class FinishReason { kLength, kStop, kCancelled };
+
+// Final status of a stream (the gRPC code it maps to).
+enum class StreamStatus {
+  kOk,
+  kCancelled,
+  kInvalidArgument,
+  kResourceExhausted,
+  kDeadlineExceeded,
+  kInternal,
+  kUnavailable,
+};
+const char* stream_status_name(StreamStatus);  // "ok", "invalid_argument", ... (metric labels)
+
+struct TurnStats {
+  uint32_t prompt_tokens = 0;
+  uint32_t generated_tokens = 0;
+  double queue_ms = 0;
+  double time_to_first_token_ms = 0;
+  double duration_ms = 0;
+  double tokens_per_second = 0;
+};
+
+struct TurnEnd {
+  uint32_t turn = 0;
+  FinishReason reason = FinishReason::kLength;
+  TurnStats stats;
+};
+
+class TokenOutbox {
+ public:
+  explicit TokenOutbox(size_t capacity);
+
+  enum class Push { kQueued, kWakeWriter, kOverflow };
+  // Engine thread. No allocation.
+  Push push(int32_t token);
+  bool end_turn(const TurnEnd& end);
+  // After close() nothing more is accepted. With an error status, unsent tokens are
+  // dropped; with kOk everything queued is delivered first.
+  bool close(StreamStatus status, std::string message);
+
+  struct Item {
+    enum Kind { kNothing, kTokens, kTurnEnd, kClosed } kind = kNothing;
+    TurnEnd turn_end;
+    StreamStatus status = StreamStatus::kOk;
+    std::string message;
+  };
+  // Writer side. kTokens appends the tokens to *tokens (cleared first).
+  Item take(std::vector<int32_t>* tokens);
+
+  bool closed() const;
+  size_t capacity() const { return ring_.size(); }
+
+ private:
+  mutable std::mutex mu_;
+  std::vector<int32_t> ring_;
+  uint64_t pushed_ = 0;  // tokens ever pushed
+  uint64_t taken_ = 0;   // tokens ever taken
+  struct PendingEnd {
+    uint64_t at;  // pushed_ when the turn ended
+    TurnEnd end;
+  };
+  std::deque<PendingEnd> turn_ends_;
+  bool closed_ = false;
+  bool close_delivered_ = false;
+  StreamStatus status_ = StreamStatus::kOk;
+  std::string message_;
+  bool writer_busy_ = false;
+};
+
+}  // namespace m3
