@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <cstring>
 #include <string>
+#include <utility>
 
 namespace m3::kernels {
 
@@ -39,6 +40,11 @@ class KernelLaunch {
   // dependent launch); the kernels themselves wait before reading dependent data.
   void launch(cudaStream_t stream, bool pdl) const;
   const std::string& name() const { return name_; }
+  // A label for reports (e.g. which matrix a gemv multiplies).
+  KernelLaunch& named(std::string name) {
+    name_ = std::move(name);
+    return *this;
+  }
   dim3 grid() const { return grid_; }
   size_t dynamic_smem() const { return smem_; }
 

@@ -153,7 +153,7 @@ void CudaEngine::build_plans() {
       in.y_stride = c.in_proj_rows();
       in.batch = batch;
       in.epilogue = kernels::GemvEpilogue::Store;
-      g.launches.push_back(kernels::plan_gemv(in));
+      g.launches.push_back(kernels::plan_gemv(in).named("in_proj"));
 
       kernels::MimoStepArgs m;
       m.heads = c.n_heads();
@@ -192,7 +192,7 @@ void CudaEngine::build_plans() {
       out.y_stride = c.d_model;
       out.batch = batch;
       out.epilogue = kernels::GemvEpilogue::Accumulate;
-      g.launches.push_back(kernels::plan_gemv(out));
+      g.launches.push_back(kernels::plan_gemv(out).named("out_proj"));
 
       if (c.has_mlp()) {
         kernels::GemvArgs fc1;
@@ -208,7 +208,7 @@ void CudaEngine::build_plans() {
         fc1.y_stride = c.mlp_width();
         fc1.batch = batch;
         fc1.epilogue = kernels::GemvEpilogue::GatedSilu;
-        g.launches.push_back(kernels::plan_gemv(fc1));
+        g.launches.push_back(kernels::plan_gemv(fc1).named("fc1"));
 
         kernels::GemvArgs fc2;
         fc2.weight = lw.fc2;
@@ -221,7 +221,7 @@ void CudaEngine::build_plans() {
         fc2.y_stride = c.d_model;
         fc2.batch = batch;
         fc2.epilogue = kernels::GemvEpilogue::Accumulate;
-        g.launches.push_back(kernels::plan_gemv(fc2));
+        g.launches.push_back(kernels::plan_gemv(fc2).named("fc2"));
       }
     }
     kernels::GemvArgs head;
@@ -237,7 +237,7 @@ void CudaEngine::build_plans() {
     head.y_stride = c.padded_vocab();
     head.batch = batch;
     head.epilogue = kernels::GemvEpilogue::Store;
-    g.launches.push_back(kernels::plan_gemv(head));
+    g.launches.push_back(kernels::plan_gemv(head).named("lm_head"));
 
     kernels::SamplingArgs s;
     s.logits = logits_.as<float>();
@@ -284,8 +284,8 @@ const DecodeGraph& CudaEngine::graph_for_batch(int batch) const {
   return graphs_[bucket_of_batch_[batch]];
 }
 
-int CudaEngine::kernels_per_step(int bucket_batch) const {
-  return static_cast<int>(graph_for_batch(bucket_batch).launches.size());
+int CudaEngine::kernels_per_step(int batch) const {
+  return static_cast<int>(graph_for_batch(batch).launches.size());
 }
 
 void CudaEngine::reset(int slot) {
@@ -383,15 +383,15 @@ void CudaEngine::step(std::span<const int32_t> slots, std::span<const int32_t> t
   stats_.tokens += n;
 }
 
-std::vector<float> CudaEngine::time_replays(int bucket_batch, int iters, bool use_graph) {
-  if (std::find(bucket_sizes_.begin(), bucket_sizes_.end(), bucket_batch) == bucket_sizes_.end()) {
-    throw std::invalid_argument("time_replays: " + std::to_string(bucket_batch) +
-                                " is not a batch bucket of this engine");
+std::vector<float> CudaEngine::time_replays(int batch, int iters, bool use_graph) {
+  if (batch < 1 || batch > max_slots_) {
+    throw std::invalid_argument("time_replays: batch " + std::to_string(batch) + " is outside [1, " +
+                                std::to_string(max_slots_) + "]");
   }
   if (use_graph && !use_graphs_) {
     throw std::invalid_argument("time_replays: the engine was built with use_graphs=false");
   }
-  const DecodeGraph& g = graph_for_batch(bucket_batch);
+  const DecodeGraph& g = graph_for_batch(batch);
   std::vector<float> us;
   us.reserve(iters);
   for (int i = 0; i < iters; ++i) {
@@ -404,6 +404,26 @@ std::vector<float> CudaEngine::time_replays(int bucket_batch, int iters, bool us
     us.push_back(ms * 1000.f);
   }
   return us;
+}
+
+std::vector<CudaEngine::KernelTime> CudaEngine::time_kernels(int batch, int reps) {
+  if (batch < 1 || batch > max_slots_ || reps < 1) {
+    throw std::invalid_argument("time_kernels: batch " + std::to_string(batch) + " or reps " +
+                                std::to_string(reps) + " out of range");
+  }
+  const DecodeGraph& g = graph_for_batch(batch);
+  std::vector<KernelTime> out;
+  for (const kernels::KernelLaunch& l : g.launches) {
+    l.launch(stream_, false);
+    M3_CUDA_CHECK(cudaEventRecord(timing_events_[0], stream_));
+    for (int r = 0; r < reps; ++r) l.launch(stream_, false);
+    M3_CUDA_CHECK(cudaEventRecord(timing_events_[1], stream_));
+    M3_CUDA_CHECK(cudaEventSynchronize(timing_events_[1]));
+    float ms = 0.f;
+    M3_CUDA_CHECK(cudaEventElapsedTime(&ms, timing_events_[0], timing_events_[1]));
+    out.push_back({l.name(), ms * 1000.f / reps});
+  }
+  return out;
 }
 
 double CudaEngine::floor_bytes(int batch) const {

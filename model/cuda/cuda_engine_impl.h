@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "kernels/launch.cuh"
@@ -45,11 +46,20 @@ class CudaEngine final : public Engine {
   const std::vector<int>& bucket_sizes() const { return bucket_sizes_; }
   bool graphs_enabled() const { return use_graphs_; }
   bool pdl_enabled() const { return pdl_; }
-  int kernels_per_step(int bucket_batch) const;
-  // Replays the step of bucket `bucket_batch` (one of bucket_sizes()) `iters` times on
-  // the device table as the last step() left it, graph or direct launches, and returns
-  // each replay's device time in microseconds (CUDA events).
-  std::vector<float> time_replays(int bucket_batch, int iters, bool use_graph);
+  int kernels_per_step(int batch) const;
+  int bucket_for(int batch) const { return graph_for_batch(batch).batch; }
+  // Replays the step of the bucket that serves `batch` sequences `iters` times on the
+  // device table as the last step() left it, graph or direct launches, and returns each
+  // replay's device time in microseconds (CUDA events).
+  std::vector<float> time_replays(int batch, int iters, bool use_graph);
+  // Each kernel of the step run alone `reps` times back to back (no graph, no overlap):
+  // the mean device time of one run, per launch in step order. Leaves the state of the
+  // batch's slots scrambled: reset them afterwards.
+  struct KernelTime {
+    std::string name;
+    float us;
+  };
+  std::vector<KernelTime> time_kernels(int batch, int reps);
   // Bytes a step of `batch` sequences must move at least: weights read, state read and
   // written, embedding rows, logits written.
   double floor_bytes(int batch) const;

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Runs on the lent GPU machine (device tool), from the repository root, with binaries
+# built elsewhere and carried in .device/:
+#   .device/bin/{m3_kernel_tests,m3_cuda_engine_tests,m3check,m3bench}
+#   .device/golden/{tiny,small_norm_mlp}/   (copy of ../shared/golden)
+# Writes logs under $OUT (or ./device-out) and prints a short summary last.
+# Usage: scripts/device_check.sh [all|tests|check|bench] [extra m3bench args...]
+set -u -o pipefail
+MODE=${1:-all}
+shift || true
+OUT=${OUT:-$PWD/device-out}
+mkdir -p "$OUT"
+BIN=.device/bin
+GOLDEN=.device/golden
+summary=()
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
+
+if [[ $MODE == all || $MODE == tests ]]; then
+  for t in m3_kernel_tests m3_cuda_engine_tests; do
+    if "$BIN/$t" --gtest_brief=1 >"$OUT/$t.log" 2>&1; then r=PASS; else r=FAIL; fi
+    summary+=("$t: $r ($(grep -E '^\[  (PASSED|FAILED|SKIPPED) ' "$OUT/$t.log" | tr '\n' ' '))")
+    [[ $r == FAIL ]] && grep -E "Failure|error|FAILED|Expected|Which is|actual" "$OUT/$t.log" | head -40
+  done
+fi
+
+if [[ $MODE == all || $MODE == check ]]; then
+  for c in tiny small_norm_mlp; do
+    for d in fp32 bf16; do
+      line=$("$BIN/m3check" "$GOLDEN/$c" "$GOLDEN/$c/trajectory.safetensors" --backend cuda --dtype $d 2>&1 | tail -3 | tr '\n' ' ')
+      rc=$?
+      summary+=("m3check cuda $c $d: $line")
+    done
+  done
+fi
+
+if [[ $MODE == all || $MODE == bench ]]; then
+  "$BIN/m3bench" decode --config configs/models/s2s-14l.json --batch 1,2,4,8,16,32,64 \
+      --json "$OUT/bench_bf16.json" --per-kernel "$@" 2>&1 | tee "$OUT/bench_bf16.txt"
+  M3_CUDA_PDL=0 "$BIN/m3bench" decode --config configs/models/s2s-14l.json --batch 1,16,64 \
+      --iters 100 2>&1 | tee "$OUT/bench_bf16_nopdl.txt"
+fi
+
+printf '%s\n' "==== summary" "${summary[@]}"

@@ -1,0 +1,256 @@
+#include "server/tools/bench_decode.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "model/config.h"
+#include "model/random_model.h"
+#include "model/weights.h"
+#if defined(M3_WITH_CUDA)
+#include <unistd.h>
+
+#include "kernels/common.cuh"
+#include "model/cuda/cuda_engine_impl.h"
+#include "model/cuda_engine.h"
+#endif
+
+namespace m3 {
+namespace {
+
+constexpr const char* kUsage =
+    "usage: m3bench decode --config FILE [--batch 1,4,16,64] [--dtype bf16|fp32]\n"
+    "                      [--iters 300] [--json OUT] [--seed 1] [--per-kernel]\n"
+    "  --per-kernel: also time every kernel of the step alone (sum by kernel name)\n";
+
+struct Options {
+  std::string config;
+  std::vector<int> batches = {1, 4, 16, 64};
+  std::string dtype = "bf16";
+  int iters = 300;
+  std::string json;
+  uint64_t seed = 1;
+  bool per_kernel = false;
+};
+
+std::vector<int> parse_batches(const std::string& text) {
+  std::vector<int> out;
+  std::stringstream ss(text);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    size_t used = 0;
+    const int b = std::stoi(item, &used);
+    if (used != item.size() || b < 1) throw std::invalid_argument("--batch: bad entry \"" + item + "\"");
+    out.push_back(b);
+  }
+  if (out.empty()) throw std::invalid_argument("--batch: empty list");
+  return out;
+}
+
+Options parse(int argc, char** argv) {
+  Options o;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    auto value = [&]() -> std::string {
+      if (i + 1 >= argc) throw std::invalid_argument(a + " needs a value");
+      return argv[++i];
+    };
+    if (a == "--config") o.config = value();
+    else if (a == "--batch") o.batches = parse_batches(value());
+    else if (a == "--dtype") o.dtype = value();
+    else if (a == "--iters") o.iters = std::stoi(value());
+    else if (a == "--json") o.json = value();
+    else if (a == "--seed") o.seed = std::stoull(value());
+    else if (a == "--per-kernel") o.per_kernel = true;
+    else throw std::invalid_argument("unknown argument " + a);
+  }
+  if (o.config.empty()) throw std::invalid_argument("--config is required");
+  if (o.dtype != "bf16" && o.dtype != "fp32") throw std::invalid_argument("--dtype must be bf16 or fp32");
+  if (o.iters < 10) throw std::invalid_argument("--iters must be at least 10");
+  return o;
+}
+
+double median(std::vector<float> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0.0 : v[v.size() / 2];
+}
+
+#if defined(M3_WITH_CUDA)
+// Device-to-device copy of 1 GiB, bytes read plus written over the median time.
+double copy_bandwidth_gbps() {
+  const size_t bytes = size_t{1} << 30;
+  void *a = nullptr, *b = nullptr;
+  M3_CUDA_CHECK(cudaMalloc(&a, bytes));
+  M3_CUDA_CHECK(cudaMalloc(&b, bytes));
+  M3_CUDA_CHECK(cudaMemset(a, 1, bytes));
+  cudaEvent_t e0, e1;
+  M3_CUDA_CHECK(cudaEventCreate(&e0));
+  M3_CUDA_CHECK(cudaEventCreate(&e1));
+  std::vector<float> ms;
+  for (int i = 0; i < 12; ++i) {
+    M3_CUDA_CHECK(cudaEventRecord(e0));
+    M3_CUDA_CHECK(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice));
+    M3_CUDA_CHECK(cudaEventRecord(e1));
+    M3_CUDA_CHECK(cudaEventSynchronize(e1));
+    float t = 0;
+    M3_CUDA_CHECK(cudaEventElapsedTime(&t, e0, e1));
+    if (i >= 2) ms.push_back(t);
+  }
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  cudaFree(a);
+  cudaFree(b);
+  return 2.0 * bytes / (median(ms) * 1e-3) / 1e9;
+}
+
+struct Row {
+  int batch = 0, bucket = 0, kernels = 0;
+  std::vector<std::pair<std::string, double>> per_kernel;  // name, us per step (alone)
+  double graph_us = 0, direct_us = 0, step_wall_us = 0, floor_bytes = 0, floor_us = 0;
+};
+
+int run(const Options& o) {
+  const ModelConfig cfg = ModelConfig::load(o.config);
+  const int max_batch = *std::max_element(o.batches.begin(), o.batches.end());
+  const auto dir = std::filesystem::temp_directory_path() /
+                   ("m3bench-decode-" + std::to_string(::getpid()));
+  struct Cleanup {
+    std::filesystem::path p;
+    ~Cleanup() { std::error_code ec; std::filesystem::remove_all(p, ec); }
+  } cleanup{dir};
+  write_random_model(cfg, o.seed, o.dtype == "bf16" ? DType::BF16 : DType::F32, dir);
+  const ModelWeights weights = ModelWeights::load(dir);
+
+  cudaDeviceProp prop{};
+  M3_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+  const double bw = copy_bandwidth_gbps();
+
+  EngineOptions eo;
+  eo.max_slots = max_batch;
+  eo.weight_dtype = o.dtype == "bf16" ? WeightDType::BF16 : WeightDType::F32;
+  eo.use_graphs = true;
+  auto graphed_engine = make_cuda_engine(weights, eo);
+  auto& graphed = dynamic_cast<cuda::CudaEngine&>(*graphed_engine);
+
+  std::vector<Row> rows;
+  for (int b : o.batches) {
+    Row r;
+    r.batch = b;
+    r.bucket = graphed.bucket_for(b);
+    r.kernels = graphed.kernels_per_step(b);
+    std::vector<int32_t> slots(b), tokens(b), sampled(b);
+    for (int i = 0; i < b; ++i) {
+      slots[i] = i;
+      tokens[i] = (i * 37 + 11) % cfg.vocab_size;
+      graphed.reset(i);
+    }
+    graphed.step(slots, tokens, sampled);
+    std::fill(tokens.begin(), tokens.end(), kContinueToken);
+    // Host view: one step() call (table copy, graph launch, sampled ids back, sync).
+    std::vector<float> wall;
+    for (int i = 0; i < o.iters / 3 + 10; ++i) {
+      const auto t0 = std::chrono::steady_clock::now();
+      graphed.step(slots, tokens, sampled);
+      const auto t1 = std::chrono::steady_clock::now();
+      if (i >= 10) wall.push_back(std::chrono::duration<float, std::micro>(t1 - t0).count());
+    }
+    r.step_wall_us = median(wall);
+    graphed.time_replays(b, 20, true);  // warm-up
+    r.graph_us = median(graphed.time_replays(b, o.iters, true));
+    graphed.time_replays(b, 10, false);
+    r.direct_us = median(graphed.time_replays(b, o.iters, false));
+    if (o.per_kernel) {
+      for (const auto& kt : graphed.time_kernels(b, 20)) {
+        auto it = std::find_if(r.per_kernel.begin(), r.per_kernel.end(),
+                               [&](const auto& p) { return p.first == kt.name; });
+        if (it == r.per_kernel.end()) r.per_kernel.emplace_back(kt.name, kt.us);
+        else it->second += kt.us;
+      }
+      for (int i = 0; i < b; ++i) graphed.reset(i);
+    }
+    r.floor_bytes = graphed.floor_bytes(b);
+    r.floor_us = r.floor_bytes / (bw * 1e9) * 1e6;
+    rows.push_back(r);
+  }
+
+  std::printf("m3bench decode: %s, %s weights, %s, copy bandwidth %.0f GB/s, pdl %s\n",
+              o.config.c_str(), o.dtype.c_str(), prop.name, bw, graphed.pdl_enabled() ? "on" : "off");
+  std::printf("%6s %6s %8s %11s %11s %9s %7s %12s %8s %13s\n", "batch", "bucket", "kernels",
+              "us/step", "tokens/s", "floor us", "ratio", "no-graph us", "speedup", "step() wall us");
+  for (const Row& r : rows) {
+    std::printf("%6d %6d %8d %11.1f %11.0f %9.1f %7.2f %12.1f %8.2f %13.1f\n", r.batch, r.bucket,
+                r.kernels, r.graph_us, r.batch / (r.graph_us * 1e-6), r.floor_us, r.graph_us / r.floor_us,
+                r.direct_us, r.direct_us / r.graph_us, r.step_wall_us);
+  }
+  if (o.per_kernel) {
+    std::printf("kernels timed alone (us per step, each kernel repeated back to back):\n");
+    for (const Row& r : rows) {
+      std::printf("  batch %d:", r.batch);
+      for (const auto& [name, us] : r.per_kernel) std::printf("  %s %.1f", name.c_str(), us);
+      std::printf("\n");
+    }
+  }
+  if (!o.json.empty()) {
+    nlohmann::json j;
+    j["config"] = o.config;
+    j["dtype"] = o.dtype;
+    j["device"] = prop.name;
+    j["copy_bandwidth_gbps"] = bw;
+    j["pdl"] = graphed.pdl_enabled();
+    j["iters"] = o.iters;
+    for (const Row& r : rows) {
+      j["results"].push_back({{"batch", r.batch},
+                              {"bucket", r.bucket},
+                              {"kernels_per_step", r.kernels},
+                              {"graph_us_per_step", r.graph_us},
+                              {"tokens_per_s", r.batch / (r.graph_us * 1e-6)},
+                              {"floor_bytes", r.floor_bytes},
+                              {"floor_us", r.floor_us},
+                              {"ratio_to_floor", r.graph_us / r.floor_us},
+                              {"no_graph_us_per_step", r.direct_us},
+                              {"step_call_wall_us", r.step_wall_us}});
+      for (const auto& [name, us] : r.per_kernel) j["results"].back()["kernels_alone_us"][name] = us;
+    }
+    std::ofstream(o.json) << j.dump(2) << "\n";
+  }
+  return 0;
+}
+#endif
+
+}  // namespace
+
+int run_bench_decode(int argc, char** argv) {
+  Options o;
+  try {
+    o = parse(argc, argv);
+  } catch (const std::exception& e) {
+    std::cerr << "m3bench decode: " << e.what() << "\n" << kUsage;
+    return 2;
+  }
+#if defined(M3_WITH_CUDA)
+  try {
+    if (cuda_device_count() == 0) {
+      std::cerr << "m3bench decode: no CUDA device visible\n";
+      return 1;
+    }
+    return run(o);
+  } catch (const std::exception& e) {
+    std::cerr << "m3bench decode: " << e.what() << "\n";
+    return 1;
+  }
+#else
+  std::cerr << "m3bench decode: this build has no CUDA support (nvcc was not found at configure time)\n";
+  return 1;
+#endif
+}
+
+}  // namespace m3
