@@ -168,6 +168,10 @@ std::unique_ptr<SafetensorsFile> SafetensorsFile::open(const std::filesystem::pa
                    std::to_string(size) + " bytes; truncated?)");
 
   const char* header_begin = reinterpret_cast<const char*>(bytes + 8);
+  // The JSON parser stops at a NUL byte; anything after one would be ignored silently.
+  if (const void* nul = std::memchr(header_begin, 0, header_len))
+    fail(file, "header is not valid JSON: NUL byte at header offset " +
+                   std::to_string(static_cast<const char*>(nul) - header_begin));
   json header = parse_header(header_begin, header_begin + header_len, file);
   if (!header.is_object()) fail(file, "header is not a JSON object but " + std::string(header.type_name()));
 
