@@ -24,10 +24,44 @@ struct GemvParams {
   int batch;
 };
 
-// BT: vectors per block (batch tile); RPW: output rows per warp.
-template <typename W, int BT, int RPW, GemvEpilogue E>
+template <typename W>
+struct WeightChunk;  // 8 consecutive weights as raw 16-byte words
+template <>
+struct WeightChunk<__nv_bfloat16> {
+  uint4 v;
+  __device__ __forceinline__ void load(const __nv_bfloat16* p) { v = __ldg(reinterpret_cast<const uint4*>(p)); }
+  __device__ __forceinline__ void widen(float (&f)[8]) const {
+    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      f[2 * j] = __uint_as_float(w[j] << 16);
+      f[2 * j + 1] = __uint_as_float(w[j] & 0xffff0000u);
+    }
+  }
+};
+template <>
+struct WeightChunk<float> {
+  float4 a, b;
+  __device__ __forceinline__ void load(const float* p) {
+    a = __ldg(reinterpret_cast<const float4*>(p));
+    b = __ldg(reinterpret_cast<const float4*>(p) + 1);
+  }
+  __device__ __forceinline__ void widen(float (&f)[8]) const {
+    f[0] = a.x; f[1] = a.y; f[2] = a.z; f[3] = a.w;
+    f[4] = b.x; f[5] = b.y; f[6] = b.z; f[7] = b.w;
+  }
+};
+
+// BT: vectors per block (batch tile); RPW: output rows per warp; KC: 8-weight chunks per
+// lane per row held in registers at once (a "pass" covers 32*KC chunks of a row).
+//
+// The first pass of weights is loaded into registers before waiting for the previous
+// kernel (weights never depend on it), so with programmatic dependent launch the weight
+// stream overlaps the previous kernel's tail and this kernel's own x staging.
+template <typename W, int BT, int RPW, GemvEpilogue E, int KC>
 __global__ void __launch_bounds__(kThreads) gemv_kernel(const GemvParams<W> p) {
   constexpr int NW = (E == GemvEpilogue::GatedSilu) ? 2 : 1;  // weight rows per output row
+  constexpr int NR = RPW * NW;
   extern __shared__ float4 smem4[];
   float* xs = reinterpret_cast<float*>(smem4);  // [BT][cols]
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -36,22 +70,24 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(const GemvParams<W> p) {
   const int nb = min(BT, p.batch - b0);
   const int row0 = (blockIdx.y * kWarps + warp) * RPW;
 
-  // Weights do not depend on the previous kernel: start pulling this warp's rows into L2
-  // while that kernel drains.
+  const W* wrow[NR];
 #pragma unroll
-  for (int i = 0; i < RPW; ++i) {
+  for (int i = 0; i < RPW; ++i)
 #pragma unroll
     for (int g = 0; g < NW; ++g) {
-      const int row = row0 + i;
-      if (row < p.out_rows) {
-        const char* base = reinterpret_cast<const char*>(p.weight + (size_t)(row + g * p.out_rows) * cols);
-        const int bytes = cols * (int)sizeof(W);
-        for (int off = lane * 128; off < bytes; off += 32 * 128) {
-          asm volatile("prefetch.global.L2 [%0];" ::"l"(base + off));
-        }
-      }
+      const int row = min(row0 + i, p.out_rows - 1);  // clamped rows compute, never store
+      wrow[i * NW + g] = p.weight + (size_t)(row + g * p.out_rows) * cols;
+    }
+  WeightChunk<W> wc[NR][KC];
+#pragma unroll
+  for (int j = 0; j < KC; ++j) {
+    const int c = lane + 32 * j;
+    if (c < chunks) {
+#pragma unroll
+      for (int i = 0; i < NR; ++i) wc[i][j].load(wrow[i] + c * 8);
     }
   }
+
   wait_for_previous_kernel();
 
   // Stage the batch tile of x (fp32), zero rows past the batch.
@@ -68,74 +104,63 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(const GemvParams<W> p) {
   __syncthreads();
   if (p.norm_weight != nullptr) {
     for (int b = warp; b < nb; b += kWarps) {
-      float* row = xs + b * cols;
+      float4* row = reinterpret_cast<float4*>(xs + b * cols);
       float ss = 0.f;
-      for (int i = lane; i < cols; i += 32) ss += row[i] * row[i];
+      for (int i = lane; i < cols4; i += 32) {
+        const float4 v = row[i];
+        ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+      }
       ss = warp_sum(ss);
       const float scale = rsqrtf(ss / cols + p.norm_eps);
-      for (int i = lane; i < cols; i += 32) row[i] = row[i] * scale * p.norm_weight[i];
+      const float4* nw = reinterpret_cast<const float4*>(p.norm_weight);
+      for (int i = lane; i < cols4; i += 32) {
+        float4 v = row[i];
+        const float4 g = nw[i];
+        v.x *= scale * g.x; v.y *= scale * g.y; v.z *= scale * g.z; v.w *= scale * g.w;
+        row[i] = v;
+      }
     }
     __syncthreads();
   }
 
-  float acc[RPW * NW][BT];
+  float acc[NR][BT];
 #pragma unroll
-  for (int i = 0; i < RPW * NW; ++i)
+  for (int i = 0; i < NR; ++i)
 #pragma unroll
     for (int b = 0; b < BT; ++b) acc[i][b] = 0.f;
 
-  const W* wrow[RPW * NW];
+  for (int pass0 = 0; pass0 < chunks; pass0 += 32 * KC) {
+    if (pass0 > 0) {  // rows longer than one pass: load the next one
 #pragma unroll
-  for (int i = 0; i < RPW; ++i)
+      for (int j = 0; j < KC; ++j) {
+        const int c = pass0 + lane + 32 * j;
+        if (c < chunks) {
 #pragma unroll
-    for (int g = 0; g < NW; ++g) {
-      const int row = min(row0 + i, p.out_rows - 1);  // clamped rows compute, never store
-      wrow[i * NW + g] = p.weight + (size_t)(row + g * p.out_rows) * cols;
-    }
-
-  int c = lane;
-  for (; c + 32 < chunks; c += 64) {  // two chunks per lane in flight
-    float w[2][RPW * NW][8];
-#pragma unroll
-    for (int i = 0; i < RPW * NW; ++i) {
-      load8(wrow[i] + c * 8, w[0][i]);
-      load8(wrow[i] + (c + 32) * 8, w[1][i]);
-    }
-#pragma unroll
-    for (int u = 0; u < 2; ++u) {
-      const int cc = c + 32 * u;
-#pragma unroll
-      for (int b = 0; b < BT; ++b) {
-        const float4 xa = reinterpret_cast<const float4*>(xs + b * cols + cc * 8)[0];
-        const float4 xb = reinterpret_cast<const float4*>(xs + b * cols + cc * 8)[1];
-#pragma unroll
-        for (int i = 0; i < RPW * NW; ++i) {
-          float s = acc[i][b];
-          s = fmaf(w[u][i][0], xa.x, s); s = fmaf(w[u][i][1], xa.y, s);
-          s = fmaf(w[u][i][2], xa.z, s); s = fmaf(w[u][i][3], xa.w, s);
-          s = fmaf(w[u][i][4], xb.x, s); s = fmaf(w[u][i][5], xb.y, s);
-          s = fmaf(w[u][i][6], xb.z, s); s = fmaf(w[u][i][7], xb.w, s);
-          acc[i][b] = s;
+          for (int i = 0; i < NR; ++i) wc[i][j].load(wrow[i] + c * 8);
         }
       }
     }
-  }
-  if (c < chunks) {
-    float w[RPW * NW][8];
 #pragma unroll
-    for (int i = 0; i < RPW * NW; ++i) load8(wrow[i] + c * 8, w[i]);
+    for (int j = 0; j < KC; ++j) {
+      const int c = pass0 + lane + 32 * j;
+      if (c < chunks) {
+        float w[NR][8];
 #pragma unroll
-    for (int b = 0; b < BT; ++b) {
-      const float4 xa = reinterpret_cast<const float4*>(xs + b * cols + c * 8)[0];
-      const float4 xb = reinterpret_cast<const float4*>(xs + b * cols + c * 8)[1];
+        for (int i = 0; i < NR; ++i) wc[i][j].widen(w[i]);
 #pragma unroll
-      for (int i = 0; i < RPW * NW; ++i) {
-        float s = acc[i][b];
-        s = fmaf(w[i][0], xa.x, s); s = fmaf(w[i][1], xa.y, s);
-        s = fmaf(w[i][2], xa.z, s); s = fmaf(w[i][3], xa.w, s);
-        s = fmaf(w[i][4], xb.x, s); s = fmaf(w[i][5], xb.y, s);
-        s = fmaf(w[i][6], xb.z, s); s = fmaf(w[i][7], xb.w, s);
-        acc[i][b] = s;
+        for (int b = 0; b < BT; ++b) {
+          const float4 xa = reinterpret_cast<const float4*>(xs + b * cols + c * 8)[0];
+          const float4 xb = reinterpret_cast<const float4*>(xs + b * cols + c * 8)[1];
+#pragma unroll
+          for (int i = 0; i < NR; ++i) {
+            float s = acc[i][b];
+            s = fmaf(w[i][0], xa.x, s); s = fmaf(w[i][1], xa.y, s);
+            s = fmaf(w[i][2], xa.z, s); s = fmaf(w[i][3], xa.w, s);
+            s = fmaf(w[i][4], xb.x, s); s = fmaf(w[i][5], xb.y, s);
+            s = fmaf(w[i][6], xb.z, s); s = fmaf(w[i][7], xb.w, s);
+            acc[i][b] = s;
+          }
+        }
       }
     }
   }
@@ -166,16 +191,23 @@ KernelLaunch plan_variant(const GemvArgs& a) {
   const int rows_per_block = kWarps * RPW;
   const dim3 grid((a.batch + BT - 1) / BT, (a.out_rows + rows_per_block - 1) / rows_per_block);
   const size_t smem = sizeof(float) * BT * a.cols;
-  return KernelLaunch::make("gemv", gemv_kernel<W, BT, RPW, E>, grid, dim3(kThreads), smem, p);
+  // Eight chunks per lane in flight when the row is long and the registers allow.
+  constexpr int NW = E == GemvEpilogue::GatedSilu ? 2 : 1;
+  constexpr bool wide_ok = RPW * NW * sizeof(W) <= 4;
+  if (wide_ok && a.cols / 8 > 32 * 4) {
+    return KernelLaunch::make("gemv", gemv_kernel<W, BT, RPW, E, wide_ok ? 8 : 4>, grid,
+                              dim3(kThreads), smem, p);
+  }
+  return KernelLaunch::make("gemv", gemv_kernel<W, BT, RPW, E, 4>, grid, dim3(kThreads), smem, p);
 }
 
 template <typename W, GemvEpilogue E>
 KernelLaunch plan_tile(const GemvArgs& a, int tile) {
   switch (tile) {
     case 1: return plan_variant<W, 1, 1, E>(a);
-    case 2: return plan_variant<W, 2, 2, E>(a);
+    case 2: return plan_variant<W, 2, 1, E>(a);
     case 4: return plan_variant<W, 4, 2, E>(a);
-    default: return plan_variant<W, 8, 4, E>(a);
+    default: return plan_variant<W, 8, 2, E>(a);
   }
 }
 

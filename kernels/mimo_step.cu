@@ -8,9 +8,10 @@
 namespace m3::kernels {
 namespace {
 
-constexpr int kThreads = 128;
+constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
-constexpr int kRowsInFlight = 4;  // state rows a warp loads before computing
+constexpr int kRowsPerWarp = 2;                      // state rows a warp holds in registers
+constexpr int kRowsPerGroup = kWarps * kRowsPerWarp;  // rows a block covers per pass
 
 struct MimoParams {
   MimoStepArgs a;
@@ -20,27 +21,42 @@ struct MimoParams {
 
 __device__ __forceinline__ float softplus(float v) { return v > 20.f ? v : log1pf(expf(v)); }
 
-template <int R>
+// R: MIMO rank; NV: float4 of a state row per lane (N <= 128 * NV).
+//
+// Everything that does not come from in_proj (the state rows, k_prev, the angles, the
+// parameters) is loaded before waiting for the previous kernel, so with programmatic
+// dependent launch the state stream overlaps in_proj's tail.
+template <int R, int NV>
 __global__ void __launch_bounds__(kThreads) mimo_step_kernel(const MimoParams prm) {
   const MimoStepArgs& a = prm.a;
   const int H = a.heads, P = a.headdim, N = a.d_state, S = a.n_angles, pc = prm.p_chunk;
   const int chunk = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, tid = threadIdx.x;
   const int p0 = chunk * pc;
+  const int n4s = N / 4;
 
   extern __shared__ float4 smem4[];
   float* k = reinterpret_cast<float*>(smem4);  // [R][N]
   float* q = k + R * N;                        // [R][N]
   float* kp = q + R * N;                       // [R][N]
-  float* theta = kp + R * N;                   // [S]
+  float* bb = kp + R * N;                      // [R][N] B_bias of this head
+  float* cb = bb + R * N;                      // [R][N] C_bias of this head
+  float* bn = cb + R * N;                      // [N]
+  float* cn = bn + N;                          // [N]
+  float* theta = cn + N;                       // [S] (old angles, then new)
   float* xv = theta + ((S + 3) & ~3);          // [R][pc]
   float* xs = xv + R * pc;                     // [R][pc]
   float* y = xs + R * pc;                      // [R][pc]
-  float* xcur = y + R * pc;                    // [pc]
+  float* mx = y + R * pc;                      // [R][pc]
+  float* mz = mx + R * pc;                     // [R][pc]
+  float* mo = mz + R * pc;                     // [R][pc]
+  float* xcur = mo + R * pc;                   // [pc]
   float* xold = xcur + pc;                     // [pc]
-  float* rs = xold + pc;                       // [R]
+  float* zc = xold + pc;                       // [pc]
+  float* onw = zc + pc;                        // [pc] out norm weight
+  float* rs = onw + pc;                        // [R]
 
-  wait_for_previous_kernel();
+  // --- independent of the previous kernel ---
   const int slot = a.slots[b];
   const int parity = static_cast<int>(a.counters[slot] & 1u);
   float* st = a.state + slot * a.slot_stride + a.layer_offset;
@@ -50,39 +66,83 @@ __global__ void __launch_bounds__(kThreads) mimo_step_kernel(const MimoParams pr
   float* angle_new = st + prm.layout.angle + (int64_t)(1 - parity) * H * S + h * S;
   const float* kprev_old = st + prm.layout.k_prev + (int64_t)parity * H * R * N + (int64_t)h * R * N;
   float* kprev_new = st + prm.layout.k_prev + (int64_t)(1 - parity) * H * R * N + (int64_t)h * R * N;
-  const float* w = a.w + (int64_t)b * a.w_stride;
 
-  const float dt = softplus(w[a.off_dt + h] + a.dt_bias[h]);
+  float4 sv[kRowsPerWarp][NV];  // first group of state rows
+  auto load_rows = [&](int g0) {
+#pragma unroll
+    for (int u = 0; u < kRowsPerWarp; ++u) {
+      const int pl = g0 + warp * kRowsPerWarp + u;
+#pragma unroll
+      for (int v = 0; v < NV; ++v) {
+        const int n4 = lane + 32 * v;
+        if (pl < pc && n4 < n4s) sv[u][v] = reinterpret_cast<const float4*>(ssm + (int64_t)(p0 + pl) * N)[n4];
+      }
+    }
+  };
+  load_rows(0);
+  for (int i = tid; i < R * N; i += kThreads) {
+    kp[i] = kprev_old[i];
+    bb[i] = a.B_bias[(int64_t)h * R * N + i];
+    cb[i] = a.C_bias[(int64_t)h * R * N + i];
+  }
+  for (int i = tid; i < N; i += kThreads) { bn[i] = a.B_norm[i]; cn[i] = a.C_norm[i]; }
+  for (int s = tid; s < S; s += kThreads) theta[s] = angle_old[s];
+  for (int idx = tid; idx < R * pc; idx += kThreads) {
+    const int r = idx / pc, i = idx % pc;
+    const int64_t hr = ((int64_t)h * R + r) * P + p0 + i;
+    mx[idx] = a.mimo_x[hr];
+    mz[idx] = a.mimo_z[hr];
+    mo[idx] = a.mimo_o[hr];
+  }
+  for (int i = tid; i < pc; i += kThreads) {
+    xold[i] = xprev[p0 + i];
+    if (a.out_norm != nullptr) onw[i] = a.out_norm[h * P + p0 + i];
+  }
+  const float dt_bias = a.dt_bias[h], Dh = a.D[h];
+
+  wait_for_previous_kernel();
+  const float* w = a.w + (int64_t)b * a.w_stride;
+  const float dt = softplus(w[a.off_dt + h] + dt_bias);
   const float dA = w[a.off_A + h];
   const float A = fminf(-(fmaxf(dA, 0.f) + 1.f / (1.f - fminf(dA, 0.f))), -a.a_floor);
   const float trap = 1.f / (1.f + expf(-w[a.off_trap + h]));
   const float alpha = expf(A * dt);
   const float beta = (1.f - trap) * dt * alpha;
   const float gamma = trap * dt;
+  for (int i = tid; i < pc; i += kThreads) {
+    xcur[i] = w[a.off_x + h * P + p0 + i];
+    zc[i] = w[a.off_z + h * P + p0 + i];
+  }
+  __syncthreads();  // bn/cn/bb/cb/theta staged
 
   // B and C: RMSNorm over N, weight, per-head bias. One warp per vector.
   for (int v = warp; v < 2 * R; v += kWarps) {
     const bool is_b = v < R;
     const int r = is_b ? v : v - R;
     const float* src = w + (is_b ? a.off_B : a.off_C) + r * N;
-    const float* nw = is_b ? a.B_norm : a.C_norm;
-    const float* bias = (is_b ? a.B_bias : a.C_bias) + ((int64_t)h * R + r) * N;
+    const float* nw = is_b ? bn : cn;
+    const float* bias = (is_b ? bb : cb) + r * N;
+    float vals[8];  // N <= 256
     float ss = 0.f;
-    for (int n = lane; n < N; n += 32) ss += src[n] * src[n];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const int n = lane + 32 * j;
+      vals[j] = n < N ? src[n] : 0.f;
+      ss += vals[j] * vals[j];
+    }
     const float scale = rsqrtf(warp_sum(ss) / N + a.norm_eps);
     float* dst = (is_b ? k : q) + r * N;
-    for (int n = lane; n < N; n += 32) dst[n] = src[n] * scale * nw[n] + bias[n];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const int n = lane + 32 * j;
+      if (n < N) dst[n] = vals[j] * scale * nw[n] + bias[n];
+    }
   }
-  for (int i = tid; i < R * N; i += kThreads) kp[i] = kprev_old[i];
   constexpr float kPi = 3.14159265358979323846f;
   for (int s = tid; s < S; s += kThreads) {
-    const float t = angle_old[s] + tanhf(w[a.off_ang + s]) * dt * kPi;
+    const float t = theta[s] + tanhf(w[a.off_ang + s]) * dt * kPi;
     theta[s] = t;
     if (chunk == 0) angle_new[s] = t;
-  }
-  for (int i = tid; i < pc; i += kThreads) {
-    xcur[i] = w[a.off_x + h * P + p0 + i];
-    xold[i] = xprev[p0 + i];
   }
   __syncthreads();
 
@@ -105,10 +165,9 @@ __global__ void __launch_bounds__(kThreads) mimo_step_kernel(const MimoParams pr
     }
   }
   for (int idx = tid; idx < R * pc; idx += kThreads) {
-    const int r = idx / pc, i = idx % pc;
-    const float mx = a.mimo_x[((int64_t)h * R + r) * P + p0 + i];
-    xv[idx] = xcur[i] * mx;
-    xs[idx] = xold[i] * mx;
+    const int i = idx % pc;
+    xv[idx] = xcur[i] * mx[idx];
+    xs[idx] = xold[i] * mx[idx];
   }
   for (int i = tid; i < pc; i += kThreads) xprev[p0 + i] = xcur[i];
   __syncthreads();
@@ -116,22 +175,18 @@ __global__ void __launch_bounds__(kThreads) mimo_step_kernel(const MimoParams pr
     for (int i = tid; i < R * N; i += kThreads) kprev_new[i] = k[i];
   }
 
-  // The state update, kRowsInFlight rows of ssm per warp at a time.
-  const float Dh = a.D[h];
-  const int n4s = N / 4;
-  for (int pl0 = warp * kRowsInFlight; pl0 < pc; pl0 += kWarps * kRowsInFlight) {
-    float yacc[kRowsInFlight][R];
+  // The state update: each warp kRowsPerWarp rows per group, rows already in registers.
+  for (int g0 = 0; g0 < pc; g0 += kRowsPerGroup) {
+    if (g0 > 0) load_rows(g0);
+    float yacc[kRowsPerWarp][R];
 #pragma unroll
-    for (int u = 0; u < kRowsInFlight; ++u)
+    for (int u = 0; u < kRowsPerWarp; ++u)
 #pragma unroll
       for (int r = 0; r < R; ++r) yacc[u][r] = 0.f;
-    for (int n4 = lane; n4 < n4s; n4 += 32) {
-      float4 sv[kRowsInFlight];
 #pragma unroll
-      for (int u = 0; u < kRowsInFlight; ++u) {
-        const int pl = pl0 + u;
-        if (pl < pc) sv[u] = reinterpret_cast<const float4*>(ssm + (int64_t)(p0 + pl) * N)[n4];
-      }
+    for (int v = 0; v < NV; ++v) {
+      const int n4 = lane + 32 * v;
+      if (n4 >= n4s) continue;
       float4 kv[R], kpv[R], qv[R];
 #pragma unroll
       for (int r = 0; r < R; ++r) {
@@ -140,32 +195,37 @@ __global__ void __launch_bounds__(kThreads) mimo_step_kernel(const MimoParams pr
         qv[r] = reinterpret_cast<const float4*>(q + r * N)[n4];
       }
 #pragma unroll
-      for (int u = 0; u < kRowsInFlight; ++u) {
-        const int pl = pl0 + u;
-        if (pl >= pc) break;
-        float s[4] = {sv[u].x, sv[u].y, sv[u].z, sv[u].w};
+      for (int u = 0; u < kRowsPerWarp; ++u) {
+        const int pl = g0 + warp * kRowsPerWarp + u;
+        if (pl >= pc) continue;
+        float gx[R], bx[R];
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+          gx[r] = gamma * xv[r * pc + pl];
+          bx[r] = beta * xs[r * pc + pl];
+        }
+        float s4[4] = {sv[u][v].x, sv[u][v].y, sv[u][v].z, sv[u][v].w};
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-          float v = alpha * s[j];
+          float val = alpha * s4[j];
 #pragma unroll
           for (int r = 0; r < R; ++r) {
-            const float kj = (&kv[r].x)[j], kpj = (&kpv[r].x)[j];
-            v = fmaf(gamma * xv[r * pc + pl], kj, v);
-            v = fmaf(beta * xs[r * pc + pl], kpj, v);
+            val = fmaf(gx[r], (&kv[r].x)[j], val);
+            val = fmaf(bx[r], (&kpv[r].x)[j], val);
           }
-          s[j] = v;
+          s4[j] = val;
 #pragma unroll
-          for (int r = 0; r < R; ++r) yacc[u][r] = fmaf(v, (&qv[r].x)[j], yacc[u][r]);
+          for (int r = 0; r < R; ++r) yacc[u][r] = fmaf(val, (&qv[r].x)[j], yacc[u][r]);
         }
-        reinterpret_cast<float4*>(ssm + (int64_t)(p0 + pl) * N)[n4] = make_float4(s[0], s[1], s[2], s[3]);
+        reinterpret_cast<float4*>(ssm + (int64_t)(p0 + pl) * N)[n4] = make_float4(s4[0], s4[1], s4[2], s4[3]);
       }
     }
 #pragma unroll
-    for (int u = 0; u < kRowsInFlight; ++u) {
+    for (int u = 0; u < kRowsPerWarp; ++u) {
 #pragma unroll
       for (int r = 0; r < R; ++r) {
         const float t = warp_sum(yacc[u][r]);
-        const int pl = pl0 + u;
+        const int pl = g0 + warp * kRowsPerWarp + u;
         if (lane == 0 && pl < pc) y[r * pc + pl] = t + Dh * xv[r * pc + pl];
       }
     }
@@ -183,28 +243,31 @@ __global__ void __launch_bounds__(kThreads) mimo_step_kernel(const MimoParams pr
     __syncthreads();
   }
   for (int i = tid; i < pc; i += kThreads) {
-    const int p = p0 + i;
-    const float z = w[a.off_z + h * P + p];
+    const float z = zc[i];
     float out = 0.f;
 #pragma unroll
     for (int r = 0; r < R; ++r) {
-      const int64_t hr = ((int64_t)h * R + r) * P + p;
       float yv = y[r * pc + i];
-      if (a.out_norm != nullptr) yv *= rs[r] * a.out_norm[h * P + p];
-      out += yv * silu(z * a.mimo_z[hr]) * a.mimo_o[hr];
+      if (a.out_norm != nullptr) yv *= rs[r] * onw[i];
+      out += yv * silu(z * mz[r * pc + i]) * mo[r * pc + i];
     }
-    a.o[(int64_t)b * a.o_stride + h * P + p] = out;
+    a.o[(int64_t)b * a.o_stride + h * P + p0 + i] = out;
   }
 }
 
-template <int R>
+template <int R, int NV>
 KernelLaunch plan_rank(const MimoStepArgs& a, int p_chunk) {
   const MimoParams prm{a, mimo_state_layout(a.heads, a.headdim, a.d_state, a.rank, a.n_angles), p_chunk};
-  const size_t floats = 3 * (size_t)R * a.d_state + ((a.n_angles + 3) & ~3) + 3 * (size_t)R * p_chunk +
-                        2 * (size_t)p_chunk + R;
-  return KernelLaunch::make("mimo_step", mimo_step_kernel<R>,
+  const size_t floats = 5 * (size_t)R * a.d_state + 2 * (size_t)a.d_state + ((a.n_angles + 3) & ~3) +
+                        6 * (size_t)R * p_chunk + 4 * (size_t)p_chunk + R;
+  return KernelLaunch::make("mimo_step", mimo_step_kernel<R, NV>,
                             dim3(a.headdim / p_chunk, a.heads, a.batch), dim3(kThreads),
                             floats * sizeof(float), prm);
+}
+
+template <int R>
+KernelLaunch plan_nv(const MimoStepArgs& a, int p_chunk) {
+  return a.d_state <= 128 ? plan_rank<R, 1>(a, p_chunk) : plan_rank<R, 2>(a, p_chunk);
 }
 
 }  // namespace
@@ -227,17 +290,19 @@ KernelLaunch plan_mimo_step(const MimoStepArgs& a) {
   if (a.heads <= 0 || a.headdim <= 0 || a.d_state <= 0 || a.batch <= 0) {
     throw std::invalid_argument(what + ": sizes must be positive");
   }
-  if (a.d_state % 4 != 0) throw std::invalid_argument(what + ": d_state must be a multiple of 4");
+  if (a.d_state % 4 != 0 || a.d_state > 256) {
+    throw std::invalid_argument(what + ": d_state must be a multiple of 4, at most 256");
+  }
   if (2 * a.n_angles > a.d_state) throw std::invalid_argument(what + ": more angles than pairs");
   // Split a head's rows over 4 blocks so batch 1 still fills the GPU, unless the grouped
   // output norm needs the whole head in one block.
   int p_chunk = a.headdim;
-  if (a.out_norm == nullptr && a.headdim % 16 == 0 && a.headdim >= 32) p_chunk = a.headdim / 4;
+  if (a.out_norm == nullptr && a.headdim % 16 == 0) p_chunk = 16;
   switch (a.rank) {
-    case 1: return plan_rank<1>(a, p_chunk);
-    case 2: return plan_rank<2>(a, p_chunk);
-    case 4: return plan_rank<4>(a, p_chunk);
-    case 8: return plan_rank<8>(a, p_chunk);
+    case 1: return plan_nv<1>(a, p_chunk);
+    case 2: return plan_nv<2>(a, p_chunk);
+    case 4: return plan_nv<4>(a, p_chunk);
+    case 8: return plan_nv<8>(a, p_chunk);
     default: throw std::invalid_argument(what + ": mimo rank must be 1, 2, 4 or 8");
   }
 }

@@ -107,17 +107,21 @@ __global__ void __launch_bounds__(kThreads) sampling_kernel(const SamplingParams
   if (sp.temperature > 0.f) {
     const float lmax = l[chosen];
     const float inv_t = 1.f / sp.temperature;
-    // Mass (sum of exp((l - lmax)/T)) and count of the ids whose key is >= t and >= floor.
+    // Mass (sum of exp((l - lmax)/T)) and count of the kept ids (key >= floor) whose key
+    // is >= t.
+    unsigned long long floor_key = 0;
     auto mass_from = [&](unsigned long long t, float& mass, int& count) {
+      const unsigned long long from = t > floor_key ? t : floor_key;
       mass = 0.f;
       count = 0;
       for (int i = threadIdx.x; i < V; i += kThreads) {
-        if (key_of(i) >= t) { mass += expf((l[i] - lmax) * inv_t); ++count; }
+        if (key_of(i) >= from) { mass += expf((l[i] - lmax) * inv_t); ++count; }
       }
       block_sum_count(mass, count, red);
     };
+    // Each cut is the largest key t with a monotone property, built bit by bit from the
+    // top; t below the floor behaves as the floor, so the result is never under it.
     // Top-k: the k-th largest key.
-    unsigned long long floor_key = 0;
     const int k_eff = sp.top_k > 0 && sp.top_k < V ? sp.top_k : V;
     if (k_eff < V) {
       unsigned long long t = 0;
@@ -137,24 +141,22 @@ __global__ void __launch_bounds__(kThreads) sampling_kernel(const SamplingParams
     // Top-p: the shortest prefix whose probability reaches top_p (at least one id).
     if (sp.top_p < 1.f) {
       const float need = sp.top_p * total;
-      unsigned long long t = floor_key;
+      unsigned long long t = 0;
       for (int bit = key_bits - 1; bit >= 0; --bit) {
         const unsigned long long cand = t | (1ull << bit);
-        if (cand <= t) continue;
         float mass;
         int count;
         mass_from(cand, mass, count);
         if (count >= 1 && mass >= need) t = cand;
       }
-      floor_key = t;
+      floor_key = t > floor_key ? t : floor_key;
       mass_from(floor_key, total, total_count);
     }
     // The draw: the first id (in key order) whose cumulative mass exceeds u * total.
     const float target = philox_uniform(sp.seed, counter) * total;
-    unsigned long long t = floor_key;
+    unsigned long long t = 0;
     for (int bit = key_bits - 1; bit >= 0; --bit) {
       const unsigned long long cand = t | (1ull << bit);
-      if (cand <= t) continue;
       float mass;
       int count;
       mass_from(cand, mass, count);

@@ -26,9 +26,10 @@ fi
 if [[ $MODE == all || $MODE == check ]]; then
   for c in tiny small_norm_mlp; do
     for d in fp32 bf16; do
-      line=$("$BIN/m3check" "$GOLDEN/$c" "$GOLDEN/$c/trajectory.safetensors" --backend cuda --dtype $d 2>&1 | tail -3 | tr '\n' ' ')
+      "$BIN/m3check" "$GOLDEN/$c" "$GOLDEN/$c/trajectory.safetensors" --backend cuda --dtype $d \
+          >"$OUT/m3check_${c}_$d.log" 2>&1
       rc=$?
-      summary+=("m3check cuda $c $d: $line")
+      summary+=("m3check cuda $c $d: exit $rc: $(tail -2 "$OUT/m3check_${c}_$d.log" | tr '\n' ' ')")
     done
   done
 fi
