@@ -55,10 +55,13 @@ struct MixerState {
 // Floats of scratch mixer_head_step() needs.
 int mixer_head_scratch_floats(const MixerDims& d);
 
-// Steps head h: reads the in_proj output `w` (split per ConfigModel::in_proj_layout(),
-// offsets in `layout`) and the already RMS-normed B and C ([R, N] each, shared by all
-// heads), updates the head's state and writes o[h*P : h*P+P].
+// Where the per-head inputs start in one token's in_proj output
+// (ModelConfig::in_proj_layout(); B and C are normed by the caller).
 struct InProjOffsets { int z, x, dd_dt, dd_A, trap, ang; };
+
+// Steps head h: reads the in_proj output `w` and the already RMS-normed B and C ([R, N]
+// each, shared by all heads), updates the head's state and writes o[h*P : h*P+P].
+// `scratch` holds mixer_head_scratch_floats(d) floats.
 void mixer_head_step(const MixerDims& d, const MixerParams& p, const InProjOffsets& layout,
                      const float* w, const float* B_normed, const float* C_normed, int h,
                      MixerState& state, float* scratch, float* o);
