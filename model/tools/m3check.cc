@@ -162,6 +162,7 @@ Trajectory load_trajectory(const std::string& path, const m3::ModelConfig& confi
 
 struct Result {
   double max_rel_err = 0.0;
+  int worst_sequence = 0, worst_step = 0;
   bool greedy_match = true;
   bool mismatch_outside_tie = false;
 };
@@ -192,7 +193,11 @@ Result replay(m3::Engine& engine, const Trajectory& tr) {
         max_ref = std::max(max_ref, std::fabs(static_cast<double>(ref[v])));
       }
       const double err = max_ref > 0.0 ? max_diff / max_ref : max_diff;
-      res.max_rel_err = std::max(res.max_rel_err, err);
+      if (!(err <= res.max_rel_err)) {  // NaN-safe: a NaN err becomes the worst
+        res.max_rel_err = err;
+        res.worst_sequence = b;
+        res.worst_step = t;
+      }
       if (t < tr.Lp - 1) continue;
       const int64_t want = tr.greedy_ids[static_cast<size_t>(b) * (T + 1) + t + 1];
       const int32_t got = sampled[static_cast<size_t>(b)];
@@ -253,10 +258,13 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "m3check: %s\n", e.what());
     return kExitInput;
   }
-  std::printf("max_rel_err=%.3e greedy_match=%s\n", res.max_rel_err, res.greedy_match ? "yes" : "no");
-  std::fprintf(stderr, "m3check: backend %s, weights %s, %d sequences x %d steps, tolerance %.0e\n",
+  std::fprintf(stderr,
+               "m3check: backend %s, weights %s, %d sequences x %d steps, tolerance %.0e, "
+               "worst step %d of sequence %d\n",
                std::string(engine->backend()).c_str(), bf16 ? "bf16" : "fp32", tr.B, tr.T,
-               tolerance);
+               tolerance, res.worst_step, res.worst_sequence);
+  std::printf("max_rel_err=%.3e greedy_match=%s\n", res.max_rel_err, res.greedy_match ? "yes" : "no");
+  std::fflush(stdout);
   const bool greedy_ok = res.greedy_match || (bf16 && !res.mismatch_outside_tie);
   const bool ok = res.max_rel_err <= tolerance && greedy_ok;  // NaN err fails
   return ok ? 0 : kExitTolerance;
