@@ -115,7 +115,9 @@ TEST(SafetensorsCorrupt, EveryTruncationIsRefused) {
     test::write_file(path, full.substr(0, len));
     std::string msg = error_of([&] { SafetensorsFile::open(path); });
     EXPECT_THAT(msg, HasSubstr(path.string()));
-    if (len == full.size() - 1) EXPECT_THAT(msg, HasSubstr("tensor third: data_offsets"));
+    if (len == full.size() - 1) {
+      EXPECT_THAT(msg, HasSubstr("tensor third: data_offsets"));
+    }
   }
 }
 

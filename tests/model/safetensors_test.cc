@@ -53,7 +53,9 @@ TEST(SafetensorsRoundTrip, EveryDType) {
     EXPECT_EQ(v->dtype, t.dtype);
     EXPECT_EQ(v->shape, t.shape);
     ASSERT_EQ(v->nbytes, t.data.size());
-    EXPECT_EQ(std::memcmp(v->data, t.data.data(), t.data.size()), 0);
+    if (!t.data.empty()) {
+      EXPECT_EQ(std::memcmp(v->data, t.data.data(), t.data.size()), 0);
+    }
   }
   EXPECT_EQ(f->find("absent"), nullptr);
   EXPECT_EQ(f->metadata().at("format"), "pt");

@@ -133,7 +133,9 @@ void check_nearest(ToHalf to, FromHalf from, float max_finite, uint32_t exp_lo, 
       if (!std::isfinite(other) || std::signbit(other) != std::signbit(got)) continue;
       double e2 = std::fabs(other - v);
       ASSERT_LE(err, e2) << "value " << v << " encoded " << std::hex << h;
-      if (err == e2) ASSERT_EQ(h & 1, 0) << "tie not to even for " << v;
+      if (err == e2) {
+        ASSERT_EQ(h & 1, 0) << "tie not to even for " << v;
+      }
     }
   }
 }

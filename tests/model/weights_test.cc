@@ -82,7 +82,9 @@ TEST(ModelWeights, LoadsEveryConfigVariant) {
         ModelWeights w = ModelWeights::load(dir.path());
         EXPECT_EQ(w.config().has_mlp(), mlp);
         EXPECT_EQ(w.tensor("backbone.layers.1.mixer.B_bias").shape, (std::vector<int64_t>{8, 2, 16}));
-        if (mlp) EXPECT_EQ(w.layer(0, "mlp.fc1.weight").shape, (std::vector<int64_t>{256, 64}));
+        if (mlp) {
+          EXPECT_EQ(w.layer(0, "mlp.fc1.weight").shape, (std::vector<int64_t>{256, 64}));
+        }
       }
 }
 
