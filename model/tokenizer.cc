@@ -194,6 +194,19 @@ int utf8_sequence_length(unsigned char byte) {
 
 bool is_continuation(unsigned char byte) { return (byte & 0xC0) == 0x80; }
 
+// The byte after a lead byte is narrower for some leads: no overlong forms (E0, F0),
+// no UTF-16 surrogates (ED), nothing past U+10FFFF (F4). Protobuf rejects a string
+// field holding any of them, so they must never reach a Tokens.text.
+bool valid_second_byte(unsigned char lead, unsigned char byte) {
+  switch (lead) {
+    case 0xE0: return byte >= 0xA0 && byte <= 0xBF;
+    case 0xED: return byte >= 0x80 && byte <= 0x9F;
+    case 0xF0: return byte >= 0x90 && byte <= 0xBF;
+    case 0xF4: return byte >= 0x80 && byte <= 0x8F;
+    default: return is_continuation(byte);
+  }
+}
+
 }  // namespace
 
 void StreamDetokenizer::append(int32_t id, std::string* out) {
@@ -201,7 +214,10 @@ void StreamDetokenizer::append(int32_t id, std::string* out) {
   for (const char c : tokenizer_->piece_bytes(id)) {
     const auto byte = static_cast<unsigned char>(c);
     if (pending_size_ > 0) {
-      if (is_continuation(byte)) {
+      const bool fits =
+          pending_size_ == 1 ? valid_second_byte(static_cast<unsigned char>(pending_[0]), byte)
+                             : is_continuation(byte);
+      if (fits) {
         pending_[pending_size_++] = c;
         if (pending_size_ == pending_needed_) {
           out->append(pending_, pending_size_);
@@ -209,8 +225,8 @@ void StreamDetokenizer::append(int32_t id, std::string* out) {
         }
         continue;
       }
-      out->append(kReplacementCharacter);  // the held character never completed
-      pending_size_ = 0;
+      out->append(kReplacementCharacter);  // the held character cannot complete
+      pending_size_ = 0;  // and `byte` starts afresh
     }
     const int length = utf8_sequence_length(byte);
     if (length == 1) {

@@ -60,7 +60,9 @@ class Tokenizer {
 
 // Streaming text for a generated continuation: feed ids as they are made, get the text
 // that became complete. Holds back the bytes of a UTF-8 character split across byte
-// pieces until the character is whole. The output continues a text (the prompt), so a
+// pieces until the character is whole. The output is always valid UTF-8 (a protobuf
+// string field refuses anything else): byte pieces that form no character become
+// U+FFFD, one per maximal invalid part. The output continues a text (the prompt), so a
 // leading word-boundary space is kept. One per stream; not thread-safe.
 class StreamDetokenizer {
  public:

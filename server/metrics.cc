@@ -41,13 +41,15 @@ ServerMetrics::ServerMetrics(const std::string& bind_address)
 
   time_to_first_token_ = &add_histogram(
       registry, "m3serve_time_to_first_token_seconds",
-      "From a request's arrival to its first generated token (includes queueing and prefill)",
+      "From a request's (or Converse turn's) arrival to its first generated token: queueing "
+      "and prefill",
       token_buckets);
   inter_token_latency_ = &add_histogram(
       registry, "m3serve_inter_token_latency_seconds",
       "Time between consecutive generated tokens of one stream", token_buckets);
   request_duration_ = &add_histogram(registry, "m3serve_request_duration_seconds",
-                                     "From a request's arrival to its end", request_buckets);
+                                     "From a call's arrival to its end (a Converse session: all its turns)",
+                                     request_buckets);
 
   tokens_generated_ = &prometheus::BuildCounter()
                            .Name("m3serve_tokens_generated_total")
@@ -61,7 +63,7 @@ ServerMetrics::ServerMetrics(const std::string& bind_address)
                         .Add({});
   auto& requests = prometheus::BuildCounter()
                        .Name("m3serve_requests_total")
-                       .Help("Finished requests (Generate calls and Converse turns) by final status")
+                       .Help("Finished calls (Generate requests and Converse sessions) by final status")
                        .Register(registry);
   for (size_t i = 0; i < kRequestStatuses.size(); ++i) {
     requests_by_status_[i] = &requests.Add({{"status", std::string(kRequestStatuses[i])}});

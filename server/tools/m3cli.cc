@@ -25,9 +25,10 @@ constexpr const char* kUsage = R"(usage: m3cli [--server host:port] <command> [o
 commands:
   generate --ids 1,2,3 | --text "..."   stream one continuation
       [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P] [--seed S]
-      [--stop 7,8] [--request-id ID] [--ids-only]
-  converse [same sampling options] [--session-id ID]
+      [--stop 7,8] [--request-id ID] [--print auto|ids|text]
+  converse [same sampling options] [--session-id ID] [--print auto|ids|text]
       each stdin line is one turn (token ids like "1,2,3", or text); the reply streams back
+  --print: the reply as text or ids; auto: text for text input, ids for ids
   info                                   the served model
   health [--service NAME]                grpc.health.v1 Check; exit 0 only when SERVING
 
@@ -91,28 +92,46 @@ std::string_view finish_reason_name(m3serve::v1::FinishReason reason) {
   }
 }
 
-// Writes one Tokens message to stdout at once: its text when the server sent some (and
-// ids were not asked for), else its ids.
+// What stdout shows of the streamed tokens: "text" (the server's decoded text; needs a
+// tokenizer on the server) or "ids". "auto" follows the input: text for a text prompt or
+// turn, ids for ids. Never a mix: a speech unit with no text must not print as a number
+// inside the text.
+enum class PrintMode { kAuto, kIds, kText };
+
+PrintMode print_mode(const Flags& flags) {
+  const std::string mode = flags.get("print", "auto");
+  if (mode == "auto") return PrintMode::kAuto;
+  if (mode == "ids") return PrintMode::kIds;
+  if (mode == "text") return PrintMode::kText;
+  throw UsageError("--print: '" + mode + "' is not auto, ids or text");
+}
+
 class TokenPrinter {
  public:
-  explicit TokenPrinter(bool ids_only) : ids_only_(ids_only) {}
+  TokenPrinter(PrintMode mode, bool input_was_text)
+      : text_(mode == PrintMode::kText || (mode == PrintMode::kAuto && input_was_text)) {}
 
   void print(const m3serve::v1::Tokens& tokens) {
-    if (!ids_only_ && !tokens.text().empty()) {
+    if (text_) {
       std::fwrite(tokens.text().data(), 1, tokens.text().size(), stdout);
+      printed_ = printed_ || !tokens.text().empty();
     } else {
-      for (int32_t id : tokens.ids()) std::printf(printed_ ? " %d" : "%d", id), printed_ = true;
+      for (int32_t id : tokens.ids()) {
+        std::printf(printed_ ? " %d" : "%d", id);
+        printed_ = true;
+      }
     }
     std::fflush(stdout);
   }
-  void end_line() {
-    std::fputc('\n', stdout);
+  // Ends the output line, if anything was printed on it (or always: one line per turn).
+  void end_line(bool always = false) {
+    if (printed_ || always) std::fputc('\n', stdout);
     std::fflush(stdout);
     printed_ = false;
   }
 
  private:
-  bool ids_only_;
+  bool text_;
   bool printed_ = false;
 };
 
@@ -155,7 +174,7 @@ int run_generate(const Flags& flags) {
   const auto start = Clock::now();
   auto reader = stub->Generate(&context, request);
 
-  TokenPrinter printer(flags.has("ids-only"));
+  TokenPrinter printer(print_mode(flags), request.has_prompt_text());
   double first_token_ms = -1;
   m3serve::v1::GenerateResponse response;
   std::optional<m3serve::v1::Finished> finished;
@@ -194,7 +213,7 @@ int run_converse(const Flags& flags) {
   grpc::ClientContext context;
   set_deadline(&context, flags, 0);
   auto stream = stub->Converse(&context);
-  TokenPrinter printer(flags.has("ids-only"));
+  const PrintMode mode = print_mode(flags);
   const bool interactive = isatty(STDIN_FILENO);
 
   bool open = stream->Write(config);
@@ -215,6 +234,7 @@ int run_converse(const Flags& flags) {
       }
     }
     if (!as_ids) input.set_input_text(line);
+    TokenPrinter printer(mode, !as_ids);
     m3serve::v1::ConverseRequest end_turn;
     end_turn.mutable_end_turn();
     const auto start = Clock::now();
@@ -231,7 +251,7 @@ int run_converse(const Flags& flags) {
         if (first_token_ms < 0) first_token_ms = ms_since(start);
         printer.print(response.tokens());
       } else if (response.has_turn_finished()) {
-        printer.end_line();
+        printer.end_line(/*always=*/true);
         const auto& finished = response.turn_finished();
         std::fprintf(stderr, "turn %u finished: %s\n", finished.turn(),
                      std::string(finish_reason_name(finished.reason())).c_str());
@@ -259,13 +279,14 @@ int run_info(const Flags& flags) {
   const grpc::Status status = stub->GetModelInfo(&context, m3serve::v1::GetModelInfoRequest(), &info);
   if (!status.ok()) return fail_rpc("GetModelInfo", status);
   std::printf(
-      "model:         %s%s\nbackend:       %s\nweight dtype:  %s\nlayers:        %u\n"
+      "model:         %s\nbackend:       %s\nweight dtype:  %s\nlayers:        %u\n"
       "d_model:       %u\nvocab:         %u (padded %u)\nd_state:       %u\nheaddim:       %u\n"
-      "mimo rank:     %u\nmax batch:     %u\ntokenizer:     %s\n",
-      info.model_name().c_str(), info.demo_model() ? " (demo: random weights)" : "",
+      "mimo rank:     %u\nmax batch:     %u\ntokenizer:     %s\ndemo model:    %s\n",
+      info.model_name().c_str(),
       info.backend().c_str(), info.weight_dtype().c_str(), info.n_layer(), info.d_model(),
       info.vocab_size(), info.padded_vocab_size(), info.d_state(), info.headdim(),
-      info.mimo_rank(), info.max_batch(), info.has_tokenizer() ? "yes" : "no");
+      info.mimo_rank(), info.max_batch(), info.has_tokenizer() ? "yes" : "no",
+      info.demo_model() ? "yes (random weights)" : "no");
   return 0;
 }
 
@@ -353,11 +374,11 @@ int main(int argc, char** argv) {
   try {
     if (command == "generate") {
       return run_generate(command_flags(
-          args, options({"ids", "text", "request-id"}, kSamplingOptions), {"ids-only"}));
+          args, options({"ids", "text", "request-id", "print"}, kSamplingOptions), {}));
     }
     if (command == "converse") {
       return run_converse(
-          command_flags(args, options({"session-id"}, kSamplingOptions), {"ids-only"}));
+          command_flags(args, options({"session-id", "print"}, kSamplingOptions), {}));
     }
     if (command == "info") return run_info(command_flags(args, options({}), {}));
     if (command == "health") return run_health(command_flags(args, options({"service"}), {}));

@@ -23,7 +23,8 @@ namespace {
 
 constexpr uint32_t kVocab = 100;
 
-// Generate: token i of the reply is (sum of prompt ids + i) % kVocab, one per message,
+// Generate: token i of the reply is (sum of prompt ids + i) % kVocab, one per message
+// with the text "t<id> ",
 // ending early after a stop id; request ids ending in refused_id_suffix are refused as
 // over capacity.
 // Converse: each turn replies with (turn*10 + number of
@@ -49,6 +50,7 @@ class ScriptedService final : public m3serve::v1::M3Serve::Service {
       const int32_t id = static_cast<int32_t>((base + made) % kVocab);
       m3serve::v1::GenerateResponse response;
       response.mutable_tokens()->add_ids(id);
+      response.mutable_tokens()->set_text("t" + std::to_string(id) + " ");
       writer->Write(response);
       ++made;
       const auto& stops = request->stop_token_ids();
@@ -165,6 +167,16 @@ TEST(M3cli, GenerateStreamsTheTokensAndPrintsTimings) {
   EXPECT_TRUE(contains(run.err, "finished: length, request made-up, seed 9")) << run.err;
   EXPECT_TRUE(contains(run.err, "prompt 3 tokens, generated 4 tokens")) << run.err;
   EXPECT_TRUE(contains(run.err, "client: time to first token")) << run.err;
+}
+
+TEST(M3cli, PrintChoosesTextOrIds) {
+  ScriptedServer server;
+  CliRun run = m3cli("--server " + server.address() + " generate --ids 1 --max-new-tokens 3 --print text");
+  EXPECT_EQ(run.exit_code, 0) << run.err;
+  EXPECT_EQ(run.out, "t1 t2 t3 \n");
+  run = m3cli("--server " + server.address() + " generate --ids 1 --max-new-tokens 3 --print words");
+  EXPECT_EQ(run.exit_code, 2);
+  EXPECT_TRUE(contains(run.err, "--print: 'words' is not auto, ids or text")) << run.err;
 }
 
 TEST(M3cli, GenerateStopsAtAStopToken) {

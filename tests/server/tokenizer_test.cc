@@ -150,6 +150,72 @@ TEST(Tokenizer, StreamHoldsBackASplitCharacterUntilItIsWhole) {
   EXPECT_EQ(cut_text, "\xEF\xBF\xBD");
 }
 
+// Strict UTF-8 (RFC 3629): what protobuf demands of a string field.
+bool is_valid_utf8(const std::string& text) {
+  size_t i = 0;
+  while (i < text.size()) {
+    const auto b = static_cast<unsigned char>(text[i]);
+    int n = 0;
+    unsigned char lo = 0x80, hi = 0xBF;
+    if (b < 0x80) n = 1;
+    else if (b >= 0xC2 && b <= 0xDF) n = 2;
+    else if (b >= 0xE0 && b <= 0xEF) n = 3, lo = b == 0xE0 ? 0xA0 : 0x80, hi = b == 0xED ? 0x9F : 0xBF;
+    else if (b >= 0xF0 && b <= 0xF4) n = 4, lo = b == 0xF0 ? 0x90 : 0x80, hi = b == 0xF4 ? 0x8F : 0xBF;
+    else return false;
+    if (i + n > text.size()) return false;
+    for (int k = 1; k < n; ++k) {
+      const auto c = static_cast<unsigned char>(text[i + k]);
+      if (k == 1 ? (c < lo || c > hi) : (c & 0xC0) != 0x80) return false;
+    }
+    i += n;
+  }
+  return true;
+}
+
+// The id of the byte piece <0xNN>.
+int32_t byte_piece(const Tokenizer& tokenizer, unsigned char byte) {
+  for (int32_t id = 0; id < tokenizer.vocab_size(); ++id) {
+    const auto bytes = tokenizer.piece_bytes(id);
+    if (bytes.size() == 1 && static_cast<unsigned char>(bytes[0]) == byte && byte >= 0x80) return id;
+  }
+  return -1;
+}
+
+TEST(Tokenizer, StreamReplacesBytesThatFormNoCharacter) {
+  const auto tokenizer = Tokenizer::load(kModel, kShim);
+  auto ids = [&](std::initializer_list<unsigned char> bytes) {
+    std::vector<int32_t> out;
+    for (unsigned char b : bytes) {
+      out.push_back(byte_piece(*tokenizer, b));
+      EXPECT_GE(out.back(), 0) << "no byte piece for " << int(b);
+    }
+    return out;
+  };
+  const std::string fffd = "\xEF\xBF\xBD";
+  EXPECT_EQ(stream_text(*tokenizer, ids({0xE0, 0x80})), fffd + fffd);        // overlong
+  EXPECT_EQ(stream_text(*tokenizer, ids({0xED, 0xA0, 0x80})), fffd + fffd + fffd);  // surrogate
+  EXPECT_EQ(stream_text(*tokenizer, ids({0xF4, 0x90})), fffd + fffd);        // past U+10FFFF
+  EXPECT_EQ(stream_text(*tokenizer, ids({0xC3, 0xA9})), "\xC3\xA9");       // é is fine
+  EXPECT_EQ(stream_text(*tokenizer, ids({0xC3, 0xC3, 0xA9})), fffd + "\xC3\xA9");
+}
+
+TEST(Tokenizer, StreamOfRandomIdsIsAlwaysValidUtf8) {
+  // What a random-weight model emits: any ids in any order, byte pieces included.
+  const auto tokenizer = Tokenizer::load(kModel, kShim);
+  uint64_t state = 12345;
+  for (int trial = 0; trial < 200; ++trial) {
+    StreamDetokenizer stream(*tokenizer);
+    std::string text;
+    for (int i = 0; i < 64; ++i) {
+      state = state * 6364136223846793005ull + 1442695040888963407ull;
+      stream.append(static_cast<int32_t>((state >> 33) % (tokenizer->vocab_size() + 16)), &text);
+      ASSERT_TRUE(is_valid_utf8(text)) << "trial " << trial << " step " << i;
+    }
+    stream.finish(&text);
+    ASSERT_TRUE(is_valid_utf8(text)) << "trial " << trial;
+  }
+}
+
 TEST(Tokenizer, PieceBytesShowTheWordBoundaryAsASpace) {
   const auto tokenizer = Tokenizer::load(kModel, kShim);
   std::string joined;
