@@ -3,7 +3,7 @@
 #include <dlfcn.h>
 #include <unistd.h>
 
-#include <array>
+#include <cstdlib>
 #include <stdexcept>
 #include <system_error>
 
@@ -25,6 +25,7 @@ namespace {
 
 constexpr size_t kErrorCapacity = 1024;
 constexpr const char* kShimFileName = "libm3_spm.so";
+constexpr const char* kShimEnvironmentVariable = "M3_SPM_SHIM";
 
 template <typename Fn>
 Fn find_symbol(void* library, const std::filesystem::path& shim_path, const char* name) {
@@ -78,14 +79,28 @@ std::filesystem::path executable_dir() {
 
 }  // namespace
 
-std::filesystem::path Tokenizer::default_shim_path() {
+namespace {
+
+// Where default_shim_path() looks, in order.
+std::vector<std::filesystem::path> default_shim_candidates() {
+  std::vector<std::filesystem::path> candidates;
+  if (const char* env = std::getenv(kShimEnvironmentVariable); env != nullptr && *env != '\0') {
+    candidates.emplace_back(env);
+  }
   const auto dir = executable_dir();
-  const std::array<std::filesystem::path, 2> candidates = {
-      dir / kShimFileName, dir.parent_path() / "lib" / kShimFileName};
+  candidates.push_back(dir / kShimFileName);
+  candidates.push_back(dir.parent_path() / "lib" / kShimFileName);
+  return candidates;
+}
+
+}  // namespace
+
+std::filesystem::path Tokenizer::default_shim_path() {
+  const auto candidates = default_shim_candidates();
   for (const auto& candidate : candidates) {
     if (std::filesystem::exists(candidate)) return candidate;
   }
-  return candidates[0];
+  return candidates.front();
 }
 
 std::unique_ptr<Tokenizer> Tokenizer::load(const std::filesystem::path& model_path,
@@ -93,6 +108,15 @@ std::unique_ptr<Tokenizer> Tokenizer::load(const std::filesystem::path& model_pa
   if (!std::filesystem::is_regular_file(model_path)) {
     throw std::runtime_error("tokenizer: SentencePiece model " + model_path.string() +
                              " not found or not a file");
+  }
+  if (shim_path.empty() && !std::filesystem::exists(default_shim_path())) {
+    std::string looked;
+    for (const auto& candidate : default_shim_candidates()) {
+      looked += (looked.empty() ? "" : ", ") + candidate.string();
+    }
+    throw std::runtime_error(std::string("tokenizer: SentencePiece shim ") + kShimFileName +
+                             " not found (looked for " + looked + "; it is built by target "
+                             "m3_spm, or set " + kShimEnvironmentVariable + " to its path)");
   }
   const SpmShimApi* api = open_shim(shim_path.empty() ? default_shim_path() : shim_path);
 

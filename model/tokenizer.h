@@ -28,8 +28,9 @@ class Tokenizer {
   static std::unique_ptr<Tokenizer> load(const std::filesystem::path& model_path,
                                          const std::filesystem::path& shim_path = {});
 
-  // libm3_spm.so next to the running executable, else in ../lib beside it (an install
-  // tree), else the first of those paths (so the load error names where it looked).
+  // The first that exists of: $M3_SPM_SHIM, libm3_spm.so beside the running executable,
+  // ../lib/libm3_spm.so from it (an install tree). None: the first of them, and load()
+  // names every place it looked.
   static std::filesystem::path default_shim_path();
 
   ~Tokenizer();

@@ -49,6 +49,23 @@ if(TARGET m3_spm AND M3_SPM_TRAIN)
     M3_TEST_SPM_MODEL="${M3_TEST_SPM_DIR}/tiny.model"
     M3_TEST_SPM_VOCAB="${M3_TEST_SPM_DIR}/tiny.vocab")
   gtest_discover_tests(m3_tokenizer_test PROPERTIES FIXTURES_REQUIRED m3_spm_model)
+
+  if(TARGET m3_server)
+    # The whole server with a tokenizer; the shim is copied beside the test executable,
+    # where Tokenizer::default_shim_path() looks (as it does beside m3serve).
+    add_executable(m3_text_serving_test ${CMAKE_CURRENT_LIST_DIR}/text_serving_test.cc)
+    target_link_libraries(m3_text_serving_test PRIVATE m3_server GTest::gtest_main)
+    target_compile_definitions(m3_text_serving_test PRIVATE
+      M3_TEST_SPM_MODEL="${M3_TEST_SPM_DIR}/tiny.model")
+    # Its own directory: the tokenizer tests assert there is no shim beside them.
+    set_target_properties(m3_text_serving_test PROPERTIES
+      RUNTIME_OUTPUT_DIRECTORY ${CMAKE_CURRENT_BINARY_DIR}/text_serving)
+    add_custom_command(TARGET m3_text_serving_test POST_BUILD
+      COMMAND ${CMAKE_COMMAND} -E copy_if_different $<TARGET_FILE:m3_spm>
+              $<TARGET_FILE_DIR:m3_text_serving_test>/)
+    add_dependencies(m3_text_serving_test m3_spm)
+    gtest_discover_tests(m3_text_serving_test PROPERTIES FIXTURES_REQUIRED m3_spm_model)
+  endif()
 else()
   message(STATUS "m3serve: no sentencepiece shim or spm_train; tokenizer tests not built")
 endif()

@@ -6,6 +6,7 @@
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 
+#include <cstdlib>
 #include <fstream>
 #include <stdexcept>
 #include <string>
@@ -282,7 +283,32 @@ TEST(TokenizerErrors, AFileThatIsNotAModelIsRefused) {
       << error;
 }
 
+TEST(TokenizerErrors, AMissingDefaultShimNamesEveryPlaceLookedIn) {
+  // Nothing beside this test executable or in ../lib: the error lists both.
+  const auto exe_dir = std::filesystem::read_symlink("/proc/self/exe").parent_path();
+  ASSERT_FALSE(std::filesystem::exists(exe_dir / "libm3_spm.so"));
+  ::unsetenv("M3_SPM_SHIM");
+  const std::string error = load_error(kModel, {});
+  EXPECT_NE(error.find("SentencePiece shim libm3_spm.so not found (looked for " +
+                       (exe_dir / "libm3_spm.so").string() + ", " +
+                       (exe_dir.parent_path() / "lib" / "libm3_spm.so").string()),
+            std::string::npos)
+      << error;
+  EXPECT_NE(error.find("set M3_SPM_SHIM"), std::string::npos) << error;
+}
+
+TEST(TokenizerErrors, TheShimEnvironmentVariableIsLookedAtFirst) {
+  ::setenv("M3_SPM_SHIM", kShim.c_str(), 1);
+  EXPECT_EQ(Tokenizer::default_shim_path(), kShim);
+  EXPECT_GT(Tokenizer::load(kModel)->vocab_size(), 0);
+  ::setenv("M3_SPM_SHIM", "/nonexistent/libm3_spm.so", 1);
+  const std::string error = load_error(kModel, {});
+  EXPECT_NE(error.find("looked for /nonexistent/libm3_spm.so, "), std::string::npos) << error;
+  ::unsetenv("M3_SPM_SHIM");
+}
+
 TEST(TokenizerErrors, DefaultShimPathIsBesideTheExecutable) {
+  ::unsetenv("M3_SPM_SHIM");
   const auto path = Tokenizer::default_shim_path();
   EXPECT_EQ(path.filename(), "libm3_spm.so");
   const auto exe_dir = std::filesystem::read_symlink("/proc/self/exe").parent_path();
