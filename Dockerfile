@@ -64,7 +64,7 @@ RUN apt-get update && apt-get install -y --no-install-recommends \
         libgrpc++1.51 libprotobuf32 libsentencepiece0 libspdlog1.10 libyaml-cpp0.7 \
         libprometheus-cpp-core1.0 libprometheus-cpp-pull1.0 \
     && rm -rf /var/lib/apt/lists/* \
-    && useradd --system --no-create-home --shell /usr/sbin/nologin m3serve
+    && useradd --system --create-home --home-dir /var/lib/m3serve --shell /usr/sbin/nologin m3serve
 
 # m3serve finds the SentencePiece shim in ../lib beside its executable.
 COPY --from=build /out/bin/ /opt/m3serve/bin/
@@ -73,12 +73,14 @@ COPY configs/server.yaml /etc/m3serve/server.yaml
 COPY configs/models/ /etc/m3serve/models/
 COPY configs/prometheus.yml /etc/m3serve/prometheus.yml
 COPY configs/grafana/ /etc/m3serve/grafana/
+# The demo model (served when no --model is given) is generated under $XDG_CACHE_HOME.
 ENV PATH=/opt/m3serve/bin:${PATH} \
+    XDG_CACHE_HOME=/var/lib/m3serve/cache \
     NVIDIA_VISIBLE_DEVICES=all \
     NVIDIA_DRIVER_CAPABILITIES=compute,utility
 
 USER m3serve
-WORKDIR /tmp
+WORKDIR /var/lib/m3serve
 # gRPC (server.yaml `listen`) and Prometheus /metrics (`metrics_listen`).
 EXPOSE 50051 9464
 HEALTHCHECK --interval=15s --timeout=5s --start-period=120s --retries=3 \
