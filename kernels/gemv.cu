@@ -90,38 +90,54 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(const GemvParams<W> p) {
 
   wait_for_previous_kernel();
 
-  // Stage the batch tile of x (fp32), zero rows past the batch.
+  // Stage the batch tile of x (times the norm weight when normalising; the 1/rms scale is
+  // applied to the dot products at the end), zero rows past the batch. The sums of
+  // squares come out of the same pass, so the norm costs no extra barrier.
+  __shared__ float partial_ss[kWarps][BT];
+  const bool norm = p.norm_weight != nullptr;
   const int cols4 = cols >> 2;
-  for (int b = 0; b < BT; ++b) {
-    float4* dst = reinterpret_cast<float4*>(xs + b * cols);
-    if (b < nb) {
+  const float4* nw4 = reinterpret_cast<const float4*>(p.norm_weight);
+  float ss[BT];
+#pragma unroll
+  for (int b = 0; b < BT; ++b) ss[b] = 0.f;
+  // Two float4 per row per thread per pass, all rows' loads issued before any store.
+  for (int base = 0; base < cols4; base += 2 * kThreads) {
+    float4 v[BT][2], g[2];
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      const int i = base + threadIdx.x + u * kThreads;
+      g[u] = (norm && i < cols4) ? nw4[i] : make_float4(1.f, 1.f, 1.f, 1.f);
+    }
+#pragma unroll
+    for (int b = 0; b < BT; ++b) {
       const float4* src = reinterpret_cast<const float4*>(p.x + (size_t)(b0 + b) * p.x_stride);
-      for (int i = threadIdx.x; i < cols4; i += kThreads) dst[i] = src[i];
-    } else {
-      for (int i = threadIdx.x; i < cols4; i += kThreads) dst[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+      for (int u = 0; u < 2; ++u) {
+        const int i = base + threadIdx.x + u * kThreads;
+        v[b][u] = (b < nb && i < cols4) ? src[i] : make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      const int i = base + threadIdx.x + u * kThreads;
+      if (i >= cols4) continue;
+#pragma unroll
+      for (int b = 0; b < BT; ++b) {
+        float4 x = v[b][u];
+        ss[b] += x.x * x.x + x.y * x.y + x.z * x.z + x.w * x.w;
+        x.x *= g[u].x; x.y *= g[u].y; x.z *= g[u].z; x.w *= g[u].w;
+        reinterpret_cast<float4*>(xs + b * cols)[i] = x;
+      }
+    }
+  }
+  if (norm) {
+#pragma unroll
+    for (int b = 0; b < BT; ++b) {
+      const float t = warp_sum(ss[b]);
+      if (lane == 0) partial_ss[warp][b] = t;
     }
   }
   __syncthreads();
-  if (p.norm_weight != nullptr) {
-    for (int b = warp; b < nb; b += kWarps) {
-      float4* row = reinterpret_cast<float4*>(xs + b * cols);
-      float ss = 0.f;
-      for (int i = lane; i < cols4; i += 32) {
-        const float4 v = row[i];
-        ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
-      }
-      ss = warp_sum(ss);
-      const float scale = rsqrtf(ss / cols + p.norm_eps);
-      const float4* nw = reinterpret_cast<const float4*>(p.norm_weight);
-      for (int i = lane; i < cols4; i += 32) {
-        float4 v = row[i];
-        const float4 g = nw[i];
-        v.x *= scale * g.x; v.y *= scale * g.y; v.z *= scale * g.z; v.w *= scale * g.w;
-        row[i] = v;
-      }
-    }
-    __syncthreads();
-  }
 
   float acc[NR][BT];
 #pragma unroll
@@ -166,13 +182,24 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(const GemvParams<W> p) {
   }
   allow_next_kernel();
 
+  float scale[BT];
+#pragma unroll
+  for (int b = 0; b < BT; ++b) {
+    scale[b] = 1.f;
+    if (norm) {
+      float ss = 0.f;
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) ss += partial_ss[w][b];
+      scale[b] = rsqrtf(ss / cols + p.norm_eps);
+    }
+  }
 #pragma unroll
   for (int i = 0; i < RPW; ++i) {
 #pragma unroll
     for (int b = 0; b < BT; ++b) {
-      const float a = warp_sum(acc[i * NW][b]);
+      const float a = warp_sum(acc[i * NW][b]) * scale[b];
       float g = 0.f;
-      if constexpr (NW == 2) g = warp_sum(acc[i * NW + 1][b]);
+      if constexpr (NW == 2) g = warp_sum(acc[i * NW + 1][b]) * scale[b];
       const int row = row0 + i;
       if (lane == 0 && b < nb && row < p.out_rows) {
         float* out = p.y + (size_t)(b0 + b) * p.y_stride + row;
@@ -190,7 +217,7 @@ KernelLaunch plan_variant(const GemvArgs& a) {
                   a.norm_weight, a.norm_eps, a.y, a.y_stride, a.batch};
   const int rows_per_block = kWarps * RPW;
   const dim3 grid((a.batch + BT - 1) / BT, (a.out_rows + rows_per_block - 1) / rows_per_block);
-  const size_t smem = sizeof(float) * BT * a.cols;
+  const size_t smem = sizeof(float) * BT * a.cols;  // + static partial sums (checked at make)
   // Eight chunks per lane in flight when the row is long and the registers allow.
   constexpr int NW = E == GemvEpilogue::GatedSilu ? 2 : 1;
   constexpr bool wide_ok = RPW * NW * sizeof(W) <= 4;
@@ -198,16 +225,33 @@ KernelLaunch plan_variant(const GemvArgs& a) {
     return KernelLaunch::make("gemv", gemv_kernel<W, BT, RPW, E, wide_ok ? 8 : 4>, grid,
                               dim3(kThreads), smem, p);
   }
-  return KernelLaunch::make("gemv", gemv_kernel<W, BT, RPW, E, 4>, grid, dim3(kThreads), smem, p);
+  // Large tiles are arithmetic-heavy: fewer weights in flight, more blocks resident.
+  constexpr int kc = BT >= 8 ? 2 : 4;
+  return KernelLaunch::make("gemv", gemv_kernel<W, BT, RPW, E, kc>, grid, dim3(kThreads), smem, p);
+}
+
+int sm_count() {
+  int device = 0, n = 0;
+  M3_CUDA_CHECK(cudaGetDevice(&device));
+  M3_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
+  return n;
 }
 
 template <typename W, GemvEpilogue E>
 KernelLaunch plan_tile(const GemvArgs& a, int tile) {
   switch (tile) {
-    case 1: return plan_variant<W, 1, 1, E>(a);
+    case 1: {
+      // One row per warp gives the most blocks; when that would need a second wave on
+      // this GPU, two rows per warp fit the grid into one.
+      KernelLaunch one = plan_variant<W, 1, 1, E>(a);
+      if (static_cast<long>(one.grid().y) > static_cast<long>(one.resident_blocks_per_sm(kThreads)) * sm_count()) {
+        return plan_variant<W, 1, 2, E>(a);
+      }
+      return one;
+    }
     case 2: return plan_variant<W, 2, 1, E>(a);
     case 4: return plan_variant<W, 4, 2, E>(a);
-    default: return plan_variant<W, 8, 2, E>(a);
+    default: return plan_variant<W, 8, 4, E>(a);
   }
 }
 

@@ -30,6 +30,12 @@ void KernelLaunch::check_resources() const {
   }
 }
 
+int KernelLaunch::resident_blocks_per_sm(int threads_per_block) const {
+  int n = 0;
+  M3_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, func_, threads_per_block, smem_));
+  return n;
+}
+
 void KernelLaunch::launch(cudaStream_t stream, bool pdl) const {
   cudaLaunchConfig_t config{};
   config.gridDim = grid_;

@@ -46,6 +46,8 @@ class KernelLaunch {
     return *this;
   }
   dim3 grid() const { return grid_; }
+  // How many blocks of this launch one multiprocessor holds at once.
+  int resident_blocks_per_sm(int threads_per_block) const;
   size_t dynamic_smem() const { return smem_; }
 
  private:

@@ -10,8 +10,6 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
-constexpr int kRowsPerWarp = 2;                      // state rows a warp holds in registers
-constexpr int kRowsPerGroup = kWarps * kRowsPerWarp;  // rows a block covers per pass
 
 struct MimoParams {
   MimoStepArgs a;
@@ -21,13 +19,16 @@ struct MimoParams {
 
 __device__ __forceinline__ float softplus(float v) { return v > 20.f ? v : log1pf(expf(v)); }
 
-// R: MIMO rank; NV: float4 of a state row per lane (N <= 128 * NV).
+// R: MIMO rank; NV: float4 of a state row per lane (N <= 128 * NV); RW: state rows a
+// warp holds in registers (a block covers 8 * RW rows per pass).
 //
 // Everything that does not come from in_proj (the state rows, k_prev, the angles, the
 // parameters) is loaded before waiting for the previous kernel, so with programmatic
 // dependent launch the state stream overlaps in_proj's tail.
-template <int R, int NV>
-__global__ void __launch_bounds__(kThreads) mimo_step_kernel(const MimoParams prm) {
+template <int R, int NV, int RW>
+__global__ void __launch_bounds__(kThreads, 2) mimo_step_kernel(const MimoParams prm) {
+  constexpr int kRowsPerWarp = RW;
+  constexpr int kRowsPerGroup = kWarps * RW;
   const MimoStepArgs& a = prm.a;
   const int H = a.heads, P = a.headdim, N = a.d_state, S = a.n_angles, pc = prm.p_chunk;
   const int chunk = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
@@ -55,10 +56,13 @@ __global__ void __launch_bounds__(kThreads) mimo_step_kernel(const MimoParams pr
   float* zc = xold + pc;                       // [pc]
   float* onw = zc + pc;                        // [pc] out norm weight
   float* rs = onw + pc;                        // [R]
+  float* braw = rs + ((R + 3) & ~3);           // [R][N] in_proj B
+  float* craw = braw + R * N;                  // [R][N] in_proj C
+  float* angs = craw + R * N;                  // [S] in_proj angle inputs
 
   // --- independent of the previous kernel ---
   const int slot = a.slots[b];
-  const int parity = static_cast<int>(a.counters[slot] & 1u);
+  const int parity = a.parities[b] & 1;
   float* st = a.state + slot * a.slot_stride + a.layer_offset;
   float* ssm = st + prm.layout.ssm + (int64_t)h * P * N;
   float* xprev = st + prm.layout.x_prev + (int64_t)h * P;
@@ -80,67 +84,100 @@ __global__ void __launch_bounds__(kThreads) mimo_step_kernel(const MimoParams pr
     }
   };
   load_rows(0);
-  for (int i = tid; i < R * N; i += kThreads) {
-    kp[i] = kprev_old[i];
-    bb[i] = a.B_bias[(int64_t)h * R * N + i];
-    cb[i] = a.C_bias[(int64_t)h * R * N + i];
+  // All independent loads in flight at once (registers), then into shared memory.
+  constexpr int kVecItems = (R * 128 * NV + kThreads - 1) / kThreads;  // of R*N per thread
+  const int RN = R * N;
+  float r_kp[kVecItems], r_bb[kVecItems], r_cb[kVecItems];
+#pragma unroll
+  for (int j = 0; j < kVecItems; ++j) {
+    const int i = tid + j * kThreads;
+    if (i < RN) {
+      r_kp[j] = kprev_old[i];
+      r_bb[j] = a.B_bias[(int64_t)h * RN + i];
+      r_cb[j] = a.C_bias[(int64_t)h * RN + i];
+    }
   }
-  for (int i = tid; i < N; i += kThreads) { bn[i] = a.B_norm[i]; cn[i] = a.C_norm[i]; }
-  for (int s = tid; s < S; s += kThreads) theta[s] = angle_old[s];
-  for (int idx = tid; idx < R * pc; idx += kThreads) {
-    const int r = idx / pc, i = idx % pc;
-    const int64_t hr = ((int64_t)h * R + r) * P + p0 + i;
-    mx[idx] = a.mimo_x[hr];
-    mz[idx] = a.mimo_z[hr];
-    mo[idx] = a.mimo_o[hr];
+  float r_bn = 0.f, r_cn = 0.f, r_th = 0.f, r_xo = 0.f, r_on = 0.f;
+  if (tid < N) { r_bn = a.B_norm[tid]; r_cn = a.C_norm[tid]; }
+  if (tid < S) r_th = angle_old[tid];
+  if (tid < pc) {
+    r_xo = xprev[p0 + tid];
+    if (a.out_norm != nullptr) r_on = a.out_norm[h * P + p0 + tid];
   }
-  for (int i = tid; i < pc; i += kThreads) {
-    xold[i] = xprev[p0 + i];
-    if (a.out_norm != nullptr) onw[i] = a.out_norm[h * P + p0 + i];
+  constexpr int kRowItems = (R * 64 + kThreads - 1) / kThreads;  // R*pc <= R*64
+  float r_mx[kRowItems], r_mz[kRowItems], r_mo[kRowItems];
+#pragma unroll
+  for (int j = 0; j < kRowItems; ++j) {
+    const int idx = tid + j * kThreads;
+    if (idx < R * pc) {
+      const int r = idx / pc, i = idx % pc;
+      const int64_t hr = ((int64_t)h * R + r) * P + p0 + i;
+      r_mx[j] = a.mimo_x[hr];
+      r_mz[j] = a.mimo_z[hr];
+      r_mo[j] = a.mimo_o[hr];
+    }
   }
   const float dt_bias = a.dt_bias[h], Dh = a.D[h];
+#pragma unroll
+  for (int j = 0; j < kVecItems; ++j) {
+    const int i = tid + j * kThreads;
+    if (i < RN) { kp[i] = r_kp[j]; bb[i] = r_bb[j]; cb[i] = r_cb[j]; }
+  }
+  if (tid < N) { bn[tid] = r_bn; cn[tid] = r_cn; }
+  if (tid < S) theta[tid] = r_th;
+  if (tid < pc) { xold[tid] = r_xo; onw[tid] = r_on; }
+#pragma unroll
+  for (int j = 0; j < kRowItems; ++j) {
+    const int idx = tid + j * kThreads;
+    if (idx < R * pc) { mx[idx] = r_mx[j]; mz[idx] = r_mz[j]; mo[idx] = r_mo[j]; }
+  }
 
   wait_for_previous_kernel();
+  // Every input from in_proj in one round of loads.
   const float* w = a.w + (int64_t)b * a.w_stride;
-  const float dt = softplus(w[a.off_dt + h] + dt_bias);
-  const float dA = w[a.off_A + h];
+  const float dt_raw = w[a.off_dt + h], dA = w[a.off_A + h], trap_raw = w[a.off_trap + h];
+  {
+    float r_b[kVecItems], r_c[kVecItems];
+#pragma unroll
+    for (int j = 0; j < kVecItems; ++j) {
+      const int i = tid + j * kThreads;
+      if (i < RN) { r_b[j] = w[a.off_B + i]; r_c[j] = w[a.off_C + i]; }
+    }
+    const float r_ang = tid < S ? w[a.off_ang + tid] : 0.f;
+    const float r_x = tid < pc ? w[a.off_x + h * P + p0 + tid] : 0.f;
+    const float r_z = tid < pc ? w[a.off_z + h * P + p0 + tid] : 0.f;
+#pragma unroll
+    for (int j = 0; j < kVecItems; ++j) {
+      const int i = tid + j * kThreads;
+      if (i < RN) { braw[i] = r_b[j]; craw[i] = r_c[j]; }
+    }
+    if (tid < S) angs[tid] = r_ang;
+    if (tid < pc) { xcur[tid] = r_x; zc[tid] = r_z; }
+  }
+  const float dt = softplus(dt_raw + dt_bias);
   const float A = fminf(-(fmaxf(dA, 0.f) + 1.f / (1.f - fminf(dA, 0.f))), -a.a_floor);
-  const float trap = 1.f / (1.f + expf(-w[a.off_trap + h]));
+  const float trap = 1.f / (1.f + expf(-trap_raw));
   const float alpha = expf(A * dt);
   const float beta = (1.f - trap) * dt * alpha;
   const float gamma = trap * dt;
-  for (int i = tid; i < pc; i += kThreads) {
-    xcur[i] = w[a.off_x + h * P + p0 + i];
-    zc[i] = w[a.off_z + h * P + p0 + i];
-  }
-  __syncthreads();  // bn/cn/bb/cb/theta staged
+  __syncthreads();
 
   // B and C: RMSNorm over N, weight, per-head bias. One warp per vector.
   for (int v = warp; v < 2 * R; v += kWarps) {
     const bool is_b = v < R;
     const int r = is_b ? v : v - R;
-    const float* src = w + (is_b ? a.off_B : a.off_C) + r * N;
+    const float* src = (is_b ? braw : craw) + r * N;
     const float* nw = is_b ? bn : cn;
     const float* bias = (is_b ? bb : cb) + r * N;
-    float vals[8];  // N <= 256
     float ss = 0.f;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const int n = lane + 32 * j;
-      vals[j] = n < N ? src[n] : 0.f;
-      ss += vals[j] * vals[j];
-    }
+    for (int n = lane; n < N; n += 32) ss += src[n] * src[n];
     const float scale = rsqrtf(warp_sum(ss) / N + a.norm_eps);
     float* dst = (is_b ? k : q) + r * N;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const int n = lane + 32 * j;
-      if (n < N) dst[n] = vals[j] * scale * nw[n] + bias[n];
-    }
+    for (int n = lane; n < N; n += 32) dst[n] = src[n] * scale * nw[n] + bias[n];
   }
   constexpr float kPi = 3.14159265358979323846f;
   for (int s = tid; s < S; s += kThreads) {
-    const float t = theta[s] + tanhf(w[a.off_ang + s]) * dt * kPi;
+    const float t = theta[s] + tanhf(angs[s]) * dt * kPi;
     theta[s] = t;
     if (chunk == 0) angle_new[s] = t;
   }
@@ -255,19 +292,26 @@ __global__ void __launch_bounds__(kThreads) mimo_step_kernel(const MimoParams pr
   }
 }
 
-template <int R, int NV>
+template <int R, int NV, int RW>
 KernelLaunch plan_rank(const MimoStepArgs& a, int p_chunk) {
   const MimoParams prm{a, mimo_state_layout(a.heads, a.headdim, a.d_state, a.rank, a.n_angles), p_chunk};
-  const size_t floats = 5 * (size_t)R * a.d_state + 2 * (size_t)a.d_state + ((a.n_angles + 3) & ~3) +
-                        6 * (size_t)R * p_chunk + 4 * (size_t)p_chunk + R;
-  return KernelLaunch::make("mimo_step", mimo_step_kernel<R, NV>,
+  const size_t S4 = (a.n_angles + 3) & ~3;
+  const size_t floats = 7 * (size_t)R * a.d_state + 2 * (size_t)a.d_state + 2 * S4 +
+                        6 * (size_t)R * p_chunk + 4 * (size_t)p_chunk + ((R + 3) & ~3);
+  return KernelLaunch::make("mimo_step", mimo_step_kernel<R, NV, RW>,
                             dim3(a.headdim / p_chunk, a.heads, a.batch), dim3(kThreads),
                             floats * sizeof(float), prm);
 }
 
+// Small batches split a head's rows finely so the GPU fills; larger ones give each block
+// more rows to amortise its prologue.
 template <int R>
-KernelLaunch plan_nv(const MimoStepArgs& a, int p_chunk) {
-  return a.d_state <= 128 ? plan_rank<R, 1>(a, p_chunk) : plan_rank<R, 2>(a, p_chunk);
+KernelLaunch plan_nv(const MimoStepArgs& a) {
+  const bool wide = a.batch >= 8;
+  int p_chunk = a.headdim;
+  if (a.out_norm == nullptr && a.headdim % (wide ? 32 : 16) == 0) p_chunk = wide ? 32 : 16;
+  if (a.d_state <= 128) return wide ? plan_rank<R, 1, 4>(a, p_chunk) : plan_rank<R, 1, 2>(a, p_chunk);
+  return plan_rank<R, 2, 2>(a, p_chunk);
 }
 
 }  // namespace
@@ -294,15 +338,13 @@ KernelLaunch plan_mimo_step(const MimoStepArgs& a) {
     throw std::invalid_argument(what + ": d_state must be a multiple of 4, at most 256");
   }
   if (2 * a.n_angles > a.d_state) throw std::invalid_argument(what + ": more angles than pairs");
-  // Split a head's rows over 4 blocks so batch 1 still fills the GPU, unless the grouped
-  // output norm needs the whole head in one block.
-  int p_chunk = a.headdim;
-  if (a.out_norm == nullptr && a.headdim % 16 == 0) p_chunk = 16;
+  if (a.headdim > 64) throw std::invalid_argument(what + ": headdim must be at most 64");
+  // A head's rows split over blocks unless the grouped output norm needs the whole head.
   switch (a.rank) {
-    case 1: return plan_nv<1>(a, p_chunk);
-    case 2: return plan_nv<2>(a, p_chunk);
-    case 4: return plan_nv<4>(a, p_chunk);
-    case 8: return plan_nv<8>(a, p_chunk);
+    case 1: return plan_nv<1>(a);
+    case 2: return plan_nv<2>(a);
+    case 4: return plan_nv<4>(a);
+    case 8: return plan_nv<8>(a);
     default: throw std::invalid_argument(what + ": mimo rank must be 1, 2, 4 or 8");
   }
 }

@@ -7,7 +7,8 @@
 // (independent rows of ssm), each block re-deriving the head's k and q. The per-head
 // angle and k_prev are double-buffered by the slot's step parity (counter & 1): every
 // chunk reads the old copy, chunk 0 writes the new one, so no block reads what another
-// block of the same launch writes.
+// block of the same launch writes. The host, which counts every slot's steps, passes the
+// parity per batch entry, so no block waits on a counter load before loading its state.
 #pragma once
 
 #include <cstdint>
@@ -51,7 +52,7 @@ struct MimoStepArgs {
   int64_t slot_stride = 0;
   int64_t layer_offset = 0;
   const int32_t* slots = nullptr;      // [batch]
-  const uint64_t* counters = nullptr;  // [n_slots] steps taken since reset (parity)
+  const int32_t* parities = nullptr;   // [batch] steps the slot took since reset, & 1
   float* o = nullptr;                  // [batch, o_stride], o[b, h*P + p]
   int o_stride = 0;
   int batch = 0;

@@ -48,9 +48,10 @@ class CudaEngine final : public Engine {
   bool pdl_enabled() const { return pdl_; }
   int kernels_per_step(int batch) const;
   int bucket_for(int batch) const { return graph_for_batch(batch).batch; }
-  // Replays the step of the bucket that serves `batch` sequences `iters` times on the
-  // device table as the last step() left it, graph or direct launches, and returns each
-  // replay's device time in microseconds (CUDA events).
+  // Replays the step of the bucket that serves `batch` sequences about `iters` times on
+  // the device table as the last step() left it (graph or direct launches), back to back
+  // in groups of 10 between CUDA events; returns each group's mean microseconds per step.
+  // The replays bypass step()'s bookkeeping: reset the slots before real use.
   std::vector<float> time_replays(int batch, int iters, bool use_graph);
   // Each kernel of the step run alone `reps` times back to back (no graph, no overlap):
   // the mean device time of one run, per launch in step order. Leaves the state of the
@@ -85,7 +86,7 @@ class CudaEngine final : public Engine {
 
   DeviceBuffer state_;       // [max_slots + 1][n_layer][layout_.floats]
   DeviceBuffer res_, w_, o_, act_, logits_;
-  DeviceBuffer table_;       // int32 [2 * max_bucket]: slots, then tokens
+  DeviceBuffer table_;       // int32 [3 * max_bucket]: slots, tokens, state parities
   DeviceBuffer sampled_;     // int32 [max_bucket]
   DeviceBuffer params_;      // SlotSampling [max_slots + 1]
   DeviceBuffer counters_;    // uint64 [max_slots + 1]
@@ -99,6 +100,7 @@ class CudaEngine final : public Engine {
 
   bool params_dirty_ = true;
   std::vector<uint8_t> has_sample_;
+  std::vector<uint64_t> steps_since_reset_;  // its parity picks the double-buffered state
   std::vector<uint64_t> seen_in_step_;
   uint64_t step_serial_ = 0;
   EngineStats stats_;

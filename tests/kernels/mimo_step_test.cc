@@ -148,7 +148,7 @@ void run_dims(const Dims& d, uint32_t seed) {
       C_norm(p.C_norm), mimo_x(p.mimo_x), mimo_z(p.mimo_z), mimo_o(p.mimo_o), out_norm(p.out_norm);
   DeviceArray<float> dstate(state);
   DeviceArray<int32_t> dslots(slots);
-  DeviceArray<uint64_t> dcounters(counters);
+  DeviceArray<int32_t> dparities(batch);
   DeviceArray<float> dw(static_cast<size_t>(batch) * w_stride);
   DeviceArray<float> dout(static_cast<size_t>(batch) * (d_inner + 2));
 
@@ -172,7 +172,10 @@ void run_dims(const Dims& d, uint32_t seed) {
     a.mimo_x = mimo_x.get(); a.mimo_z = mimo_z.get(); a.mimo_o = mimo_o.get();
     a.out_norm = d.out_norm ? out_norm.get() : nullptr;
     a.state = dstate.get(); a.slot_stride = slot_stride; a.layer_offset = layer_offset;
-    a.slots = dslots.get(); a.counters = dcounters.get();
+    std::vector<int32_t> parities(batch);
+    for (int b = 0; b < batch; ++b) parities[b] = static_cast<int32_t>(counters[slots[b]] & 1);
+    dparities.upload(parities);
+    a.slots = dslots.get(); a.parities = dparities.get();
     a.o = dout.get(); a.o_stride = d_inner + 2;
     a.batch = batch;
     kernels::plan_mimo_step(a).launch(nullptr, false);
@@ -204,9 +207,8 @@ void run_dims(const Dims& d, uint32_t seed) {
       take(L.k_prev + (1 - par) * H * R * N, H * R * N);
       EXPECT_LT(testing::max_rel_err(g2, r2), 1e-5) << "state of slot " << s << " after step " << step;
     }
-    // The sampling kernel advances each stepped slot's counter; do it here.
+    // The engine advances each stepped slot's count; do it here.
     for (int32_t s : slots) ++counters[s];
-    dcounters.upload(counters);
   }
   // Slot 1 took no step: untouched, bit for bit.
   const std::vector<float> st = dstate.download();
