@@ -60,7 +60,7 @@ struct ModelConfig {
   // Offsets of the in_proj output split, in this order: z, x, B, C, dd_dt, dd_A, trap, ang.
   struct InProjLayout { int z, x, B, C, dd_dt, dd_A, trap, ang, total; };
   InProjLayout in_proj_layout() const;
-  // Bytes of recurrent state per sequence per layer (angle, ssm, k_prev, x_prev in fp32).
+  // Floats of recurrent state per sequence per layer (angle, ssm, k_prev, x_prev; fp32).
   int64_t state_floats_per_layer() const;
   int64_t parameter_count() const;
 };
