@@ -15,6 +15,13 @@ namespace m3::kernels {
 // RTX 5090 (sm_120) opt-in shared memory per block; H200 allows more, we never ask for it.
 inline constexpr size_t kMaxSharedBytesPerBlock = 101376;
 
+// A byte range a kernel asks the L2 to fetch ahead (the weights of a kernel that runs
+// later in the step), so that later kernel reads from L2 while this one is latency-bound.
+struct L2Prefetch {
+  const void* ptr = nullptr;
+  uint64_t bytes = 0;
+};
+
 inline void check_cuda(cudaError_t err, const char* what, const char* file, int line) {
   if (err != cudaSuccess) {
     throw std::runtime_error(std::string("CUDA error in ") + what + " (" + file + ":" +
@@ -83,6 +90,17 @@ __device__ __forceinline__ void allow_next_kernel() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;");
 #endif
+}
+
+// Spreads the 128-byte lines of `r` over all threads of the grid; non-blocking.
+__device__ __forceinline__ void prefetch_l2(const L2Prefetch& r) {
+  if (r.ptr == nullptr) return;
+  const uint64_t threads = (uint64_t)gridDim.x * gridDim.y * gridDim.z * blockDim.x;
+  const uint64_t block = ((uint64_t)blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
+  const char* base = static_cast<const char*>(r.ptr);
+  for (uint64_t off = (block * blockDim.x + threadIdx.x) * 128; off < r.bytes; off += threads * 128) {
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(base + off));
+  }
 }
 
 __device__ __forceinline__ float silu(float v) { return v / (1.0f + expf(-v)); }

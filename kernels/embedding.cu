@@ -16,10 +16,13 @@ struct EmbeddingParams {
   const int32_t* tokens;
   const int32_t* last_token;
   float* out;
+  L2Prefetch prefetch[2];
 };
 
 template <typename W>
 __global__ void embedding_kernel(const EmbeddingParams<W> p) {
+  prefetch_l2(p.prefetch[0]);
+  prefetch_l2(p.prefetch[1]);
   wait_for_previous_kernel();
   const int b = blockIdx.y;
   int token = p.tokens[b];
@@ -37,7 +40,7 @@ __global__ void embedding_kernel(const EmbeddingParams<W> p) {
 template <typename W>
 KernelLaunch plan_typed(const EmbeddingArgs& a) {
   EmbeddingParams<W> p{static_cast<const W*>(a.table), a.vocab_rows, a.dim, a.slots,
-                       a.tokens, a.last_token, a.out};
+                       a.tokens, a.last_token, a.out, {a.prefetch[0], a.prefetch[1]}};
   const int threads = 256;
   const int blocks_x = (a.dim + threads - 1) / threads;
   return KernelLaunch::make("embedding", embedding_kernel<W>, dim3(blocks_x, a.batch),

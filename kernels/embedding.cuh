@@ -5,6 +5,7 @@
 
 #include <cstdint>
 
+#include "kernels/common.cuh"
 #include "kernels/launch.cuh"
 
 namespace m3::kernels {
@@ -21,6 +22,7 @@ struct EmbeddingArgs {
   const int32_t* last_token = nullptr;  // [n_slots]
   float* out = nullptr;                 // [batch, dim]
   int batch = 0;
+  L2Prefetch prefetch[2];  // weights of the first layer, pulled into L2 meanwhile
 };
 
 KernelLaunch plan_embedding(const EmbeddingArgs& args);

@@ -1,9 +1,11 @@
 #include "kernels/gemv.cuh"
 
+#include <cstdlib>
 #include <stdexcept>
 #include <string>
 
 #include "kernels/common.cuh"
+#include "kernels/gemv_mma.cuh"
 
 namespace m3::kernels {
 namespace {
@@ -230,6 +232,12 @@ KernelLaunch plan_variant(const GemvArgs& a) {
   return KernelLaunch::make("gemv", gemv_kernel<W, BT, RPW, E, kc>, grid, dim3(kThreads), smem, p);
 }
 
+// M3_GEMV_TENSOR_CORES=0 keeps every gemv on CUDA cores (for comparisons).
+bool use_tensor_cores() {
+  const char* env = std::getenv("M3_GEMV_TENSOR_CORES");
+  return env == nullptr || std::string(env) != "0";
+}
+
 int sm_count() {
   int device = 0, n = 0;
   M3_CUDA_CHECK(cudaGetDevice(&device));
@@ -278,6 +286,7 @@ KernelLaunch plan_gemv(const GemvArgs& a) {
   if (a.weight == nullptr || a.x == nullptr || a.y == nullptr) {
     throw std::invalid_argument(shape + ": null pointer");
   }
+  if (gemv_mma_applies(a) && use_tensor_cores()) return plan_gemv_mma(a);
   // The largest power of two <= batch (at most 8) whose x tile fits in shared memory.
   int tile = 8;
   while (tile > 1 && (tile > a.batch || sizeof(float) * tile * a.cols > kMaxSharedBytesPerBlock)) {

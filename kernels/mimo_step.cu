@@ -84,6 +84,8 @@ __global__ void __launch_bounds__(kThreads, 2) mimo_step_kernel(const MimoParams
     }
   };
   load_rows(0);
+  prefetch_l2(a.prefetch[0]);
+  prefetch_l2(a.prefetch[1]);
   // All independent loads in flight at once (registers), then into shared memory.
   constexpr int kVecItems = (R * 128 * NV + kThreads - 1) / kThreads;  // of R*N per thread
   const int RN = R * N;
@@ -307,11 +309,13 @@ KernelLaunch plan_rank(const MimoStepArgs& a, int p_chunk) {
 // more rows to amortise its prologue.
 template <int R>
 KernelLaunch plan_nv(const MimoStepArgs& a) {
-  const bool wide = a.batch >= 8;
-  int p_chunk = a.headdim;
-  if (a.out_norm == nullptr && a.headdim % (wide ? 32 : 16) == 0) p_chunk = wide ? 32 : 16;
-  if (a.d_state <= 128) return wide ? plan_rank<R, 1, 4>(a, p_chunk) : plan_rank<R, 1, 2>(a, p_chunk);
-  return plan_rank<R, 2, 2>(a, p_chunk);
+  const bool split = a.out_norm == nullptr;
+  if (a.d_state <= 128) {
+    if (split && a.batch >= 16 && a.headdim % 64 == 0) return plan_rank<R, 1, 8>(a, 64);
+    if (split && a.batch >= 8 && a.headdim % 32 == 0) return plan_rank<R, 1, 4>(a, 32);
+    return plan_rank<R, 1, 2>(a, split && a.headdim % 16 == 0 ? 16 : a.headdim);
+  }
+  return plan_rank<R, 2, 2>(a, split && a.headdim % 16 == 0 ? 16 : a.headdim);
 }
 
 }  // namespace

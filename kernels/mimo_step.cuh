@@ -13,6 +13,7 @@
 
 #include <cstdint>
 
+#include "kernels/common.cuh"
 #include "kernels/launch.cuh"
 
 namespace m3::kernels {
@@ -56,6 +57,7 @@ struct MimoStepArgs {
   float* o = nullptr;                  // [batch, o_stride], o[b, h*P + p]
   int o_stride = 0;
   int batch = 0;
+  L2Prefetch prefetch[2];  // weights of later kernels to pull into L2 meanwhile
 };
 
 KernelLaunch plan_mimo_step(const MimoStepArgs& args);

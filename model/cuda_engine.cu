@@ -58,8 +58,12 @@ CudaEngine::CudaEngine(const ModelWeights& weights, const EngineOptions& options
                              std::to_string(devices) + " visible");
   }
   M3_CUDA_CHECK(cudaSetDevice(device_));
+  // Switches for A/B measurements (m3bench): PDL on, L2 prefetch off by default.
   if (const char* env = std::getenv("M3_CUDA_PDL"); env != nullptr && std::string(env) == "0") {
     pdl_ = false;
+  }
+  if (const char* env = std::getenv("M3_CUDA_L2_PREFETCH"); env != nullptr) {
+    l2_prefetch_ = std::string(env) == "1";
   }
   M3_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
 
@@ -137,9 +141,12 @@ void CudaEngine::build_plans() {
   for (int batch : bucket_sizes_) {
     DecodeGraph g;
     g.batch = batch;
-    g.launches.push_back(kernels::plan_embedding({weights_.embedding, weights_.type, c.padded_vocab(),
-                                                  c.d_model, slots, tokens, last_token_.as<int32_t>(),
-                                                  res_.as<float>(), batch}));
+    const size_t msize = weights_.type == kernels::WeightType::BF16 ? 2 : 4;
+    const kernels::L2Prefetch in_proj_bytes0{weights_.layers[0].in_proj, msize * c.in_proj_rows() * c.d_model};
+    kernels::EmbeddingArgs emb{weights_.embedding, weights_.type, c.padded_vocab(), c.d_model, slots,
+                               tokens, last_token_.as<int32_t>(), res_.as<float>(), batch};
+    if (l2_prefetch_) emb.prefetch[0] = in_proj_bytes0;
+    g.launches.push_back(kernels::plan_embedding(emb));
     for (int i = 0; i < c.n_layer; ++i) {
       const DeviceLayer& lw = weights_.layers[i];
       kernels::GemvArgs in;
@@ -181,6 +188,18 @@ void CudaEngine::build_plans() {
       m.o = o_.as<float>();
       m.o_stride = c.d_inner();
       m.batch = batch;
+      // While the recurrence runs (latency-bound at small batch), pull the next two
+      // matrices into L2: this layer's out_proj and whatever gemv follows it.
+      m.prefetch[0] = {lw.out_proj, msize * c.d_model * c.d_inner()};
+      if (!l2_prefetch_) {
+        m.prefetch[0] = {};
+      } else if (c.has_mlp()) {
+        m.prefetch[1] = {lw.fc1, msize * 2 * c.mlp_width() * c.d_model};
+      } else if (i + 1 < c.n_layer) {
+        m.prefetch[1] = {weights_.layers[i + 1].in_proj, msize * c.in_proj_rows() * c.d_model};
+      } else {
+        m.prefetch[1] = {weights_.lm_head, msize * c.padded_vocab() * c.d_model};
+      }
       g.launches.push_back(kernels::plan_mimo_step(m));
 
       kernels::GemvArgs out;

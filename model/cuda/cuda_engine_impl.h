@@ -46,6 +46,7 @@ class CudaEngine final : public Engine {
   const std::vector<int>& bucket_sizes() const { return bucket_sizes_; }
   bool graphs_enabled() const { return use_graphs_; }
   bool pdl_enabled() const { return pdl_; }
+  bool l2_prefetch_enabled() const { return l2_prefetch_; }
   int kernels_per_step(int batch) const;
   int bucket_for(int batch) const { return graph_for_batch(batch).batch; }
   // Replays the step of the bucket that serves `batch` sequences about `iters` times on
@@ -77,6 +78,7 @@ class CudaEngine final : public Engine {
   int max_bucket_ = 0;
   bool use_graphs_ = true;
   bool pdl_ = true;
+  bool l2_prefetch_ = false;  // measured slower at batch 1 (notes); M3_CUDA_L2_PREFETCH=1 turns it on
   int device_ = 0;
 
   cudaStream_t stream_ = nullptr;

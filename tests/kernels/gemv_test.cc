@@ -5,6 +5,7 @@
 
 #include "gpu_test_util.h"
 #include "kernels/gemv.cuh"
+#include "kernels/gemv_mma.cuh"
 
 namespace m3 {
 namespace {
@@ -36,15 +37,24 @@ void run_case(const GemvCase& c, uint32_t seed) {
   const std::vector<float> nw = testing::random_floats(c.cols, seed + 2, 0.5f, 1.5f);
   const std::vector<float> y0 = testing::random_floats(static_cast<size_t>(c.batch) * y_stride, seed + 3);
 
+  kernels::GemvArgs probe;
+  probe.type = c.type;
+  probe.cols = c.cols;
+  probe.batch = c.batch;
+  // The tensor-core path rounds x (times the norm weight) to bf16; the twin does too.
+  const bool x_in_bf16 = kernels::gemv_mma_applies(probe);
+
   // Twin.
   std::vector<double> ref(y0.begin(), y0.end());
   for (int b = 0; b < c.batch; ++b) {
     std::vector<double> xv(c.cols);
     double ss = 0;
     for (int k = 0; k < c.cols; ++k) { xv[k] = x[b * x_stride + k]; ss += xv[k] * xv[k]; }
-    if (c.norm) {
-      const double scale = 1.0 / std::sqrt(ss / c.cols + 1e-5);
-      for (int k = 0; k < c.cols; ++k) xv[k] *= scale * nw[k];
+    const double scale = c.norm ? 1.0 / std::sqrt(ss / c.cols + 1e-5) : 1.0;
+    for (int k = 0; k < c.cols; ++k) {
+      float v = x[b * x_stride + k] * (c.norm ? nw[k] : 1.f);
+      if (x_in_bf16) v = bf16_to_f32(f32_to_bf16(v));
+      xv[k] = v * scale;
     }
     auto dot = [&](int row) {
       double s = 0;
@@ -95,6 +105,22 @@ TEST(GemvKernel, MatchesTwinOnOddSizes) {
       run_case({301, 904, batch, GemvEpilogue::Accumulate, false, type}, seed++);
       run_case({129, 136, batch, GemvEpilogue::GatedSilu, true, type}, seed++);
     }
+  }
+}
+
+TEST(GemvKernel, TensorCorePathMatchesTwin) {
+  M3_REQUIRE_CUDA_DEVICE();
+  uint32_t seed = 900;
+  for (int batch : {8, 13, 16, 21, 40}) {
+    kernels::GemvArgs probe;
+    probe.type = WeightType::BF16;
+    probe.cols = 256;
+    probe.batch = batch;
+    ASSERT_TRUE(kernels::gemv_mma_applies(probe));
+    run_case({45, 256, batch, GemvEpilogue::Store, true, WeightType::BF16}, seed++);
+    run_case({67, 896, batch, GemvEpilogue::Accumulate, false, WeightType::BF16}, seed++);
+    run_case({33, 128, batch, GemvEpilogue::GatedSilu, true, WeightType::BF16}, seed++);
+    run_case({29, 1792, batch, GemvEpilogue::Store, false, WeightType::BF16}, seed++);
   }
 }
 

@@ -116,7 +116,7 @@ void twin_step(const Dims& d, const kernels::MimoStateLayout& L, const Params& p
   }
 }
 
-void run_dims(const Dims& d, uint32_t seed) {
+void run_dims(const Dims& d, uint32_t seed, int batch = 3) {
   SCOPED_TRACE("H " + std::to_string(d.H) + " P " + std::to_string(d.P) + " N " + std::to_string(d.N) +
                " R " + std::to_string(d.R) + " S " + std::to_string(d.S));
   const int H = d.H, P = d.P, N = d.N, R = d.R, S = d.S;
@@ -125,8 +125,10 @@ void run_dims(const Dims& d, uint32_t seed) {
   const int off_z = 0, off_x = d_inner, off_B = 2 * d_inner, off_C = off_B + R * N,
             off_dt = off_C + R * N, off_A = off_dt + H, off_trap = off_A + H, off_ang = off_trap + H;
   const int w_stride = off_ang + S + 1;  // odd stride
-  const int n_slots = 4, batch = 3;
-  const std::vector<int32_t> slots = {2, 0, 3};
+  // Slots 1..batch in reverse order; slot 0 takes no step.
+  const int n_slots = batch + 1;
+  std::vector<int32_t> slots(batch);
+  for (int i = 0; i < batch; ++i) slots[i] = batch - i;
   const int64_t layer_offset = L.floats;  // test the second of two layers
   const int64_t slot_stride = 2 * L.floats;
 
@@ -142,7 +144,8 @@ void run_dims(const Dims& d, uint32_t seed) {
   p.mimo_o = testing::random_floats(H * R * P, seed + 9);
   p.out_norm = testing::random_floats(H * P, seed + 10, 0.5f, 1.5f);
   std::vector<float> state = testing::random_floats(n_slots * slot_stride, seed + 11, -0.5f, 0.5f);
-  std::vector<uint64_t> counters = {5, 8, 3, 10};  // mixed parities
+  std::vector<uint64_t> counters(n_slots);
+  for (int s = 0; s < n_slots; ++s) counters[s] = static_cast<uint64_t>(s * 3 + 5);  // mixed parities
 
   DeviceArray<float> dt_bias(p.dt_bias), D(p.D), B_bias(p.B_bias), C_bias(p.C_bias), B_norm(p.B_norm),
       C_norm(p.C_norm), mimo_x(p.mimo_x), mimo_z(p.mimo_z), mimo_o(p.mimo_o), out_norm(p.out_norm);
@@ -210,9 +213,9 @@ void run_dims(const Dims& d, uint32_t seed) {
     // The engine advances each stepped slot's count; do it here.
     for (int32_t s : slots) ++counters[s];
   }
-  // Slot 1 took no step: untouched, bit for bit.
+  // Slot 0 took no step: untouched, bit for bit.
   const std::vector<float> st = dstate.download();
-  for (int64_t i = 0; i < slot_stride; ++i) ASSERT_EQ(st[slot_stride + i], state[slot_stride + i]);
+  for (int64_t i = 0; i < slot_stride; ++i) ASSERT_EQ(st[i], state[i]);
 }
 
 TEST(MimoStepKernel, MatchesTwinOverTwoSteps) {
@@ -221,6 +224,13 @@ TEST(MimoStepKernel, MatchesTwinOverTwoSteps) {
   run_dims({2, 20, 16, 2, 8, true, true}, 200);    // grouped output norm, full rotation
   run_dims({5, 32, 28, 1, 7, false, false}, 300);  // SISO-style adjacent pairs, rank 1
   run_dims({1, 64, 128, 8, 32, false, true}, 400); // rank 8
+}
+
+TEST(MimoStepKernel, MatchesTwinAtBatchSizesThatPickOtherTilings) {
+  M3_REQUIRE_CUDA_DEVICE();
+  run_dims({3, 64, 128, 4, 32, false, true}, 500, 8);   // 32 rows per block
+  run_dims({2, 64, 128, 4, 32, false, true}, 600, 17);  // a whole head per block
+  run_dims({2, 64, 96, 4, 12, true, true}, 700, 9);     // grouped norm at a large batch
 }
 
 TEST(MimoStepKernel, RejectsUnsupportedRank) {
