@@ -189,7 +189,7 @@ void ConverseReactor::flush() {
 void ConverseReactor::OnWriteDone(bool ok) {
   if (!ok && !write_failed_) {
     write_failed_ = true;
-    seq_->request_cancel(StreamStatus::kCancelled, "the client went away");
+    request_cancel_for_call_end(*seq_, *call_);
     ctx_.scheduler->wake();
   }
   flush();
@@ -202,11 +202,7 @@ void ConverseReactor::OnCancel() {
     seq = seq_;
   }
   if (!seq) return;  // the pending read fails and finishes the stream
-  if (call_->deadline() <= std::chrono::system_clock::now()) {
-    seq->request_cancel(StreamStatus::kDeadlineExceeded, "deadline exceeded");
-  } else {
-    seq->request_cancel(StreamStatus::kCancelled, "cancelled by the client");
-  }
+  request_cancel_for_call_end(*seq, *call_);
   ctx_.scheduler->wake();
 }
 

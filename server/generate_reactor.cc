@@ -91,7 +91,7 @@ void GenerateReactor::flush() {
 void GenerateReactor::OnWriteDone(bool ok) {
   if (!ok && !write_failed_) {
     write_failed_ = true;
-    seq_->request_cancel(StreamStatus::kCancelled, "the client went away");
+    request_cancel_for_call_end(*seq_, *call_);
     ctx_.scheduler->wake();
   }
   flush();
@@ -99,11 +99,7 @@ void GenerateReactor::OnWriteDone(bool ok) {
 
 void GenerateReactor::OnCancel() {
   if (!seq_) return;
-  if (call_->deadline() <= std::chrono::system_clock::now()) {
-    seq_->request_cancel(StreamStatus::kDeadlineExceeded, "deadline exceeded");
-  } else {
-    seq_->request_cancel(StreamStatus::kCancelled, "cancelled by the client");
-  }
+  request_cancel_for_call_end(*seq_, *call_);
   ctx_.scheduler->wake();
 }
 

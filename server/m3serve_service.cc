@@ -44,6 +44,17 @@ Clock::time_point steady_deadline(std::chrono::system_clock::time_point deadline
   return Clock::now() + std::chrono::duration_cast<Clock::duration>(left);
 }
 
+void request_cancel_for_call_end(Sequence& seq, const grpc::CallbackServerContext& call) {
+  // The client's own deadline fires first and its cancellation reaches us slightly before
+  // ours (one network delay): a call that ends this close to its deadline ran out of time.
+  constexpr auto kDeadlineSlack = std::chrono::milliseconds(50);
+  if (call.deadline() <= std::chrono::system_clock::now() + kDeadlineSlack) {
+    seq.request_cancel(StreamStatus::kDeadlineExceeded, "deadline exceeded");
+  } else {
+    seq.request_cancel(StreamStatus::kCancelled, "cancelled by the client");
+  }
+}
+
 void record_request_end(ServiceContext& ctx, const RequestRecord& record) {
   if (ctx.metrics) {
     ctx.metrics->count_request(stream_status_name(record.status));

@@ -185,6 +185,7 @@ void Scheduler::admit_waiting(Clock::time_point now) {
     s.turn_start = s.seq->arrival();
     s.seq->mark_input_changed();
     ++active_;
+    if (metrics_) metrics_->set_active_sequences(active_);
   }
   admitted_.clear();
 
@@ -256,7 +257,6 @@ void Scheduler::emit(int i, int32_t token, Clock::time_point now) {
   Sequence& seq = *s.seq;
   ++s.generated;
   ++seq.summary.generated_tokens;
-  ++tokens_this_step_;
   if (s.generated == 1) {
     s.first_token_time = now;
     if (metrics_) metrics_->observe_time_to_first_token(seconds_between(s.turn_start, now));
@@ -267,6 +267,8 @@ void Scheduler::emit(int i, int32_t token, Clock::time_point now) {
   }
   s.last_token_time = now;
   s.last_emitted = token;
+  // Counted before the client can see the token, so a scrape never lags a stream.
+  if (metrics_) metrics_->add_tokens_generated(1);
 
   switch (seq.outbox().push(token)) {
     case TokenOutbox::Push::kQueued:
@@ -334,9 +336,10 @@ void Scheduler::finish(int i, StreamStatus status, std::string message) {
   s.seq.reset();
   if (seq->summary.turns == 0) seq->summary.prompt_tokens = s.turn_prompt_tokens;
   s.phase = Phase::kFree;
-  if (seq->outbox().close(status, std::move(message))) wake_writer(seq);
   free_slots_.push_back(i);
   --active_;
+  if (metrics_) metrics_->set_active_sequences(active_);
+  if (seq->outbox().close(status, std::move(message))) wake_writer(seq);
   {
     std::lock_guard lock(mu_);
     --in_flight_;
@@ -373,14 +376,10 @@ void Scheduler::run() {
 
     if (n == 0) {
       flusher_.wake_all(&wake_list_);
-      if (metrics_) {
-        metrics_->add_tokens_generated(tokens_this_step_);
-        metrics_->set_active_sequences(active_);
-        metrics_->set_batch_size(0);
-      }
-      tokens_this_step_ = 0;
+      if (metrics_) metrics_->set_batch_size(0);
       std::unique_lock lock(mu_);
-      cv_.wait(lock, [&] { return wake_ || stop_; });
+      // A slot freed in this pass may already serve a waiting request.
+      cv_.wait(lock, [&] { return wake_ || stop_ || (!waiting_.empty() && !free_slots_.empty()); });
       continue;
     }
 
@@ -423,16 +422,13 @@ void Scheduler::run() {
 
     flusher_.wake_all(&wake_list_);
     if (metrics_) {
-      metrics_->add_tokens_generated(tokens_this_step_);
       metrics_->set_batch_size(n);
-      metrics_->set_active_sequences(active_);
       const uint64_t replays = engine_.stats().graph_replays;
       if (replays != graph_replays_seen_) {
         metrics_->add_graph_replays(replays - graph_replays_seen_);
         graph_replays_seen_ = replays;
       }
     }
-    tokens_this_step_ = 0;
   }
 }
 

@@ -112,7 +112,6 @@ class Scheduler {
   std::vector<int32_t> step_slots_, step_tokens_, step_sampled_;
   std::vector<std::shared_ptr<Sequence>> wake_list_;  // writers to wake after this step
   std::vector<std::shared_ptr<Sequence>> admitted_, rejected_;
-  uint64_t tokens_this_step_ = 0;
   uint64_t graph_replays_seen_ = 0;
   int active_ = 0;
 

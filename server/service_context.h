@@ -37,6 +37,9 @@ v1::FinishReason to_proto(FinishReason reason);
 void fill_timings(const TurnStats& stats, v1::Timings* out);
 // gRPC deadlines are wall-clock; the scheduler compares steady-clock times.
 Clock::time_point steady_deadline(std::chrono::system_clock::time_point deadline);
+// The call ended under the stream (client cancel, deadline, broken connection): ends
+// the sequence at the next token boundary with the status that says which.
+void request_cancel_for_call_end(Sequence& seq, const grpc::CallbackServerContext& call);
 // After a stream ends: the request counter, the duration histogram, the log line.
 void record_request_end(ServiceContext& ctx, const RequestRecord& record);
 

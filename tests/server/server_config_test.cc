@@ -1,0 +1,120 @@
+// configs/server.yaml and the flags: every bad setting is refused with a message that
+// names it.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include "server/server_config.h"
+
+namespace m3 {
+namespace {
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const std::invalid_argument& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+
+ServerConfig from_yaml(const std::string& text) {
+  ServerConfig c = parse_server_config_yaml(text, "server.yaml");
+  c.validate();
+  return c;
+}
+
+TEST(ServerConfigTest, ReadsEveryKindOfValue) {
+  ServerConfig c = from_yaml(
+      "listen: 127.0.0.1:6000\nbackend: cpu\nmax_batch: 3\nshutdown_grace_s: 2.5\n"
+      "cuda_graphs: false\nmetrics_listen: \"\"\n");
+  EXPECT_EQ(c.listen, "127.0.0.1:6000");
+  EXPECT_EQ(c.backend, "cpu");
+  EXPECT_EQ(c.max_batch, 3);
+  EXPECT_EQ(c.shutdown_grace_s, 2.5);
+  EXPECT_FALSE(c.cuda_graphs);
+  EXPECT_EQ(c.metrics_listen, "");
+  EXPECT_EQ(c.queue_capacity, ServerConfig{}.queue_capacity);  // untouched keys keep defaults
+}
+
+TEST(ServerConfigTest, TheShippedFileIsValid) {
+  ServerConfig c = load_server_config_file(M3_TEST_SERVER_YAML);
+  EXPECT_NO_THROW(c.validate());
+  EXPECT_EQ(c.model, "");
+}
+
+TEST(ServerConfigTest, BadFilesAreRefusedWithTheirReason) {
+  EXPECT_EQ(error_of([] { from_yaml("max_bach: 4\n"); }).substr(0, 36),
+            "server.yaml: unknown key 'max_bach' ");
+  EXPECT_EQ(error_of([] { from_yaml("max_batch: eight\n"); }),
+            "server.yaml: key 'max_batch': expected an integer, got 'eight'");
+  EXPECT_EQ(error_of([] { from_yaml("max_batch: 4.5\n"); }),
+            "server.yaml: key 'max_batch': expected an integer, got '4.5'");
+  EXPECT_EQ(error_of([] { from_yaml("cuda_graphs: maybe\n"); }),
+            "server.yaml: key 'cuda_graphs': expected true or false, got 'maybe'");
+  EXPECT_EQ(error_of([] { from_yaml("shutdown_grace_s: soon\n"); }),
+            "server.yaml: key 'shutdown_grace_s': expected a number, got 'soon'");
+  EXPECT_EQ(error_of([] { from_yaml("max_batch: [1, 2]\n"); }),
+            "server.yaml: key 'max_batch': expected a single value, got a list or mapping");
+  EXPECT_EQ(error_of([] { from_yaml("- a\n- b\n"); }),
+            "server.yaml: expected a mapping of settings at the top level");
+  EXPECT_EQ(error_of([] { from_yaml("max_batch: [\n"); }).substr(0, 31),
+            "server.yaml: not valid YAML: ya");
+  EXPECT_EQ(error_of([] { load_server_config_file("/nonexistent/server.yaml"); }),
+            "/nonexistent/server.yaml: cannot open the config file");
+}
+
+TEST(ServerConfigTest, OutOfRangeValuesAreRefused) {
+  EXPECT_EQ(error_of([] { from_yaml("max_batch: 0\n"); }),
+            "max_batch must be between 1 and 1024, got 0");
+  EXPECT_EQ(error_of([] { from_yaml("queue_capacity: -1\n"); }),
+            "queue_capacity must be between 0 and 1000000, got -1");
+  EXPECT_EQ(error_of([] { from_yaml("max_new_tokens_limit: 0\n"); }),
+            "max_new_tokens_limit must be between 1 and 16777216, got 0");
+  EXPECT_EQ(error_of([] { from_yaml("stream_buffer_tokens: 0\n"); }),
+            "stream_buffer_tokens must be between 1 and 16777216, got 0");
+  EXPECT_EQ(error_of([] { from_yaml("backend: gpu\n"); }),
+            "backend must be one of auto, cuda, cpu, got 'gpu'");
+  EXPECT_EQ(error_of([] { from_yaml("weight_dtype: fp16\n"); }),
+            "weight_dtype must be one of bf16, fp32, got 'fp16'");
+  EXPECT_EQ(error_of([] { from_yaml("log_level: loud\n"); }),
+            "log_level must be one of trace, debug, info, warn, error, off, got 'loud'");
+  EXPECT_EQ(error_of([] { from_yaml("listen: localhost\n"); }),
+            "listen must be host:port (port 0..65535), got 'localhost'");
+  EXPECT_EQ(error_of([] { from_yaml("metrics_listen: \":99999\"\n"); }),
+            "metrics_listen must be host:port (port 0..65535), got ':99999'");
+  EXPECT_EQ(error_of([] { from_yaml("shutdown_grace_s: -1\n"); }),
+            "shutdown_grace_s must be between 0 and 3600 seconds, got -1.000000");
+  EXPECT_EQ(error_of([] { from_yaml("model: /nonexistent/model\n"); }),
+            "model: '/nonexistent/model' is not a directory");
+  EXPECT_EQ(error_of([] { from_yaml("tokenizer: /nonexistent/tok.model\n"); }),
+            "tokenizer: '/nonexistent/tok.model' is not a file");
+}
+
+TEST(ServerConfigTest, FlagsOverrideTheFile) {
+  const auto path = std::filesystem::temp_directory_path() / "m3serve-config-test.yaml";
+  std::ofstream(path) << "max_batch: 3\nbackend: cpu\nlisten: 127.0.0.1:1\n";
+  CommandLine cmd = parse_command_line(
+      {"--max-batch", "5", "--config", path.string(), "--listen=127.0.0.1:7"}, "");
+  EXPECT_EQ(cmd.config.max_batch, 5);
+  EXPECT_EQ(cmd.config.backend, "cpu");
+  EXPECT_EQ(cmd.config.listen, "127.0.0.1:7");
+  std::filesystem::remove(path);
+}
+
+TEST(ServerConfigTest, BadFlagsAreRefused) {
+  EXPECT_EQ(error_of([] { parse_command_line({"--max-bach", "4"}, ""); }),
+            "unknown flag '--max-bach' (see --help)");
+  EXPECT_EQ(error_of([] { parse_command_line({"--max-batch"}, ""); }), "--max-batch needs a value");
+  EXPECT_EQ(error_of([] { parse_command_line({"--max-batch", "x"}, ""); }),
+            "--max-batch: expected an integer, got 'x'");
+  EXPECT_EQ(error_of([] { parse_command_line({"--backend", "tpu"}, ""); }),
+            "backend must be one of auto, cuda, cpu, got 'tpu'");
+  EXPECT_EQ(error_of([] { parse_command_line({"--config"}, ""); }), "--config needs a file argument");
+  EXPECT_TRUE(parse_command_line({"--help"}, "").help);
+  EXPECT_NE(command_line_help().find("--stream-buffer-tokens"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace m3

@@ -1,0 +1,478 @@
+// m3serve end to end over 127.0.0.1: the CPU engine, the tiny random model, real gRPC
+// streams. What a stream carries must equal what the engine makes on its own.
+#include <gtest/gtest.h>
+
+#include <future>
+#include <regex>
+#include <thread>
+
+#include "server/metrics.h"
+#include "tests/server/server_test_support.h"
+
+namespace m3::test {
+namespace {
+
+using namespace std::chrono_literals;
+
+const std::vector<int32_t> kPrompt = {17, 3, 250, 99, 4, 411};
+
+// The value of one series in the Prometheus text ("name{labels} value").
+double metric_value(const std::string& text, const std::string& series) {
+  std::istringstream in(text);
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind(series + " ", 0) == 0) return std::stod(line.substr(series.size() + 1));
+  }
+  return -1;
+}
+
+double requests_with_status(ServerApp& app, const std::string& status) {
+  return metric_value(app.metrics().serialize(),
+                      "m3serve_requests_total{status=\"" + status + "\"}");
+}
+
+// Polls until the metric reaches `value` (the stream end is recorded just after the
+// client sees it).
+bool wait_for_requests(ServerApp& app, const std::string& status, double value) {
+  for (int i = 0; i < 500; ++i) {
+    if (requests_with_status(app, status) >= value) return true;
+    std::this_thread::sleep_for(10ms);
+  }
+  return false;
+}
+
+TEST(ServerTest, GreedyStreamEqualsTheEngine) {
+  TestServer server;
+  GenerateResult r = generate(*server.stub, generate_request(kPrompt, 40));
+  ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+  EXPECT_EQ(r.tokens, engine_generate(kPrompt, 40));
+  ASSERT_TRUE(r.finished);
+  EXPECT_EQ(r.finish.reason(), v1::FINISH_REASON_LENGTH);
+  EXPECT_EQ(r.finish.timings().prompt_tokens(), kPrompt.size());
+  EXPECT_EQ(r.finish.timings().generated_tokens(), 40u);
+  EXPECT_FALSE(r.finish.request_id().empty());
+  EXPECT_GE(r.finish.timings().duration_ms(), r.finish.timings().time_to_first_token_ms());
+}
+
+TEST(ServerTest, StopTokenEndsTheStream) {
+  TestServer server;
+  const std::vector<int32_t> greedy = engine_generate(kPrompt, 30);
+  const int32_t stop = greedy[5];
+  v1::GenerateRequest request = generate_request(kPrompt, 30);
+  request.add_stop_token_ids(stop);
+  request.set_request_id("stop-test");
+  GenerateResult r = generate(*server.stub, request);
+  ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+  EXPECT_EQ(r.tokens, engine_generate(kPrompt, 30, {}, {stop}));
+  EXPECT_EQ(r.tokens.back(), stop);
+  EXPECT_EQ(r.finish.reason(), v1::FINISH_REASON_STOP);
+  EXPECT_EQ(r.finish.request_id(), "stop-test");
+}
+
+TEST(ServerTest, SeededSamplingIsReproducible) {
+  TestServer server;
+  v1::GenerateRequest request = generate_request(kPrompt, 50);
+  request.mutable_sampling()->set_temperature(1.3f);
+  request.mutable_sampling()->set_top_k(100);
+  request.mutable_sampling()->set_top_p(0.95f);
+  request.mutable_sampling()->set_seed(1234);
+  GenerateResult a = generate(*server.stub, request);
+  GenerateResult b = generate(*server.stub, request);
+  ASSERT_TRUE(a.status.ok()) << a.status.error_message();
+  ASSERT_TRUE(b.status.ok()) << b.status.error_message();
+  EXPECT_EQ(a.tokens, b.tokens);
+  EXPECT_EQ(a.finish.seed(), 1234u);
+  SamplingParams sampling{1.3f, 100, 0.95f, 1234};
+  EXPECT_EQ(a.tokens, engine_generate(kPrompt, 50, sampling));
+  EXPECT_NE(a.tokens, engine_generate(kPrompt, 50)) << "sampling made the greedy tokens";
+
+  // Without a seed the server draws one and reports it; it reproduces the stream.
+  request.mutable_sampling()->clear_seed();
+  GenerateResult drawn = generate(*server.stub, request);
+  ASSERT_TRUE(drawn.status.ok());
+  request.mutable_sampling()->set_seed(drawn.finish.seed());
+  EXPECT_EQ(generate(*server.stub, request).tokens, drawn.tokens);
+}
+
+struct ConverseTurn {
+  std::vector<int32_t> tokens;
+  v1::TurnFinished finished;
+};
+
+TEST(ServerTest, ThreeTurnConverseEqualsTheConcatenatedGenerate) {
+  TestServer server;
+  const std::vector<std::vector<int32_t>> turns = {{5, 6, 7, 8}, {100, 200}, {300, 301, 302}};
+  for (float temperature : {0.0f, 0.9f}) {
+    grpc::ClientContext ctx;
+    auto stream = server.stub->Converse(&ctx);
+    v1::ConverseRequest config;
+    config.mutable_config()->set_max_new_tokens(12);
+    config.mutable_config()->mutable_sampling()->set_temperature(temperature);
+    config.mutable_config()->mutable_sampling()->set_seed(99);
+    ASSERT_TRUE(stream->Write(config));
+    std::vector<ConverseTurn> replies;
+    for (const auto& turn : turns) {
+      // Input arrives in pieces, as from a speech encoder.
+      for (size_t i = 0; i < turn.size(); i += 2) {
+        v1::ConverseRequest input;
+        for (size_t j = i; j < std::min(turn.size(), i + 2); ++j) input.mutable_input()->add_ids(turn[j]);
+        ASSERT_TRUE(stream->Write(input));
+      }
+      v1::ConverseRequest end;
+      end.mutable_end_turn();
+      ASSERT_TRUE(stream->Write(end));
+      ConverseTurn reply;
+      v1::ConverseResponse response;
+      while (stream->Read(&response)) {
+        if (response.has_tokens()) {
+          for (int32_t id : response.tokens().ids()) reply.tokens.push_back(id);
+        } else {
+          reply.finished = response.turn_finished();
+          break;
+        }
+      }
+      EXPECT_EQ(reply.finished.turn(), replies.size());
+      EXPECT_EQ(reply.tokens.size(), 12u);
+      replies.push_back(reply);
+    }
+    stream->WritesDone();
+    grpc::Status status = stream->Finish();
+    ASSERT_TRUE(status.ok()) << status.error_message();
+
+    std::vector<int32_t> prompt;
+    for (int k = 0; k < 3; ++k) {
+      prompt.insert(prompt.end(), turns[k].begin(), turns[k].end());
+      if (k < 2) prompt.insert(prompt.end(), replies[k].tokens.begin(), replies[k].tokens.end());
+    }
+    v1::GenerateRequest request = generate_request(prompt, 12);
+    request.mutable_sampling()->set_temperature(temperature);
+    request.mutable_sampling()->set_seed(99);
+    GenerateResult whole = generate(*server.stub, request);
+    ASSERT_TRUE(whole.status.ok());
+    EXPECT_EQ(whole.tokens, replies[2].tokens) << "temperature " << temperature;
+  }
+}
+
+TEST(ServerTest, CancellationFreesTheSlot) {
+  ServerConfig config = test_config();
+  config.max_batch = 1;
+  config.queue_capacity = 0;
+  TestServer server(config);
+  {
+    grpc::ClientContext ctx;
+    auto reader = server.stub->Generate(&ctx, generate_request(kPrompt, 100000));
+    v1::GenerateResponse response;
+    ASSERT_TRUE(reader->Read(&response));
+    ASSERT_TRUE(response.has_tokens());
+    ctx.TryCancel();
+    while (reader->Read(&response)) {
+    }
+    EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  }
+  ASSERT_TRUE(wait_for_requests(*server.app, "cancelled", 1));
+  // With one slot and no queue, this is refused unless the slot was freed.
+  GenerateResult next = generate(*server.stub, generate_request(kPrompt, 5), 5s);
+  ASSERT_TRUE(next.status.ok()) << next.status.error_message();
+  EXPECT_EQ(next.tokens, engine_generate(kPrompt, 5));
+}
+
+TEST(ServerTest, DeadlineFreesTheSlot) {
+  ServerConfig config = test_config();
+  config.max_batch = 1;
+  config.queue_capacity = 0;
+  TestServer server(config);
+  GenerateResult r = generate(*server.stub, generate_request(kPrompt, 100000), 300ms);
+  EXPECT_EQ(r.status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
+  EXPECT_FALSE(r.tokens.empty());
+  ASSERT_TRUE(wait_for_requests(*server.app, "deadline_exceeded", 1));
+  GenerateResult next = generate(*server.stub, generate_request(kPrompt, 3), 5s);
+  EXPECT_TRUE(next.status.ok()) << next.status.error_message();
+}
+
+TEST(ServerTest, OverCapacityIsResourceExhausted) {
+  ServerConfig config = test_config();
+  config.max_batch = 1;
+  config.queue_capacity = 1;
+  TestServer server(config);
+  grpc::ClientContext running_ctx, waiting_ctx;
+  auto running = server.stub->Generate(&running_ctx, generate_request(kPrompt, 100000));
+  v1::GenerateResponse response;
+  ASSERT_TRUE(running->Read(&response));  // it holds the slot
+  auto waiting = server.stub->Generate(&waiting_ctx, generate_request(kPrompt, 4));
+  // Let the second one reach the queue before the third arrives.
+  for (int i = 0; i < 200 && server.app->metrics().serialize().find("m3serve_queue_depth 1") ==
+                                 std::string::npos; ++i)
+    std::this_thread::sleep_for(10ms);
+
+  GenerateResult refused = generate(*server.stub, generate_request(kPrompt, 4), 5s);
+  EXPECT_EQ(refused.status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_NE(refused.status.error_message().find("server at capacity"), std::string::npos)
+      << refused.status.error_message();
+
+  running_ctx.TryCancel();
+  while (running->Read(&response)) {
+  }
+  running->Finish();
+  // The queued request gets the slot and completes.
+  std::vector<int32_t> got;
+  while (waiting->Read(&response))
+    for (int32_t id : response.tokens().ids()) got.push_back(id);
+  EXPECT_TRUE(waiting->Finish().ok());
+  EXPECT_EQ(got, engine_generate(kPrompt, 4));
+}
+
+TEST(ServerTest, MalformedRequestsAreInvalidArgumentAndTheServerKeepsServing) {
+  TestServer server;
+  struct Case {
+    std::string name;
+    v1::GenerateRequest request;
+    std::string message;
+  };
+  std::vector<Case> cases;
+  auto add = [&](std::string name, v1::GenerateRequest r, std::string message) {
+    cases.push_back({std::move(name), std::move(r), std::move(message)});
+  };
+  v1::GenerateRequest no_prompt;
+  no_prompt.set_max_new_tokens(4);
+  add("no prompt", no_prompt, "the prompt is empty: set prompt_ids or prompt_text");
+  add("empty ids", generate_request({}, 4), "prompt_ids is empty: a prompt needs at least one token");
+  add("id too large", generate_request({1, 512}, 4),
+      "prompt_ids[1] = 512 is outside the model's vocabulary [0, 512)");
+  add("negative id", generate_request({-3}, 4),
+      "prompt_ids[0] = -3 is outside the model's vocabulary [0, 512)");
+  add("zero max_new_tokens", generate_request(kPrompt, 0), "max_new_tokens must be at least 1");
+  add("huge max_new_tokens", generate_request(kPrompt, 100001),
+      "max_new_tokens = 100001 is above this server's limit of 100000 (max_new_tokens_limit)");
+  auto r = generate_request(kPrompt, 4);
+  r.mutable_sampling()->set_temperature(-0.5f);
+  add("negative temperature", r, "sampling.temperature must be a finite number >= 0 (0 = greedy), got -0.5");
+  r = generate_request(kPrompt, 4);
+  r.mutable_sampling()->set_temperature(std::nanf(""));
+  add("NaN temperature", r, "sampling.temperature must be a finite number >= 0 (0 = greedy), got nan");
+  r = generate_request(kPrompt, 4);
+  r.mutable_sampling()->set_top_k(-1);
+  add("negative top_k", r, "sampling.top_k must be >= 0 (0 = no limit), got -1");
+  r = generate_request(kPrompt, 4);
+  r.mutable_sampling()->set_top_p(0.0f);
+  add("zero top_p", r, "sampling.top_p must be in (0, 1], got 0");
+  r = generate_request(kPrompt, 4);
+  r.mutable_sampling()->set_top_p(1.5f);
+  add("top_p above 1", r, "sampling.top_p must be in (0, 1], got 1.5");
+  r = generate_request(kPrompt, 4);
+  r.add_stop_token_ids(9999);
+  add("stop id out of range", r, "stop_token_ids[0] = 9999 is outside the model's vocabulary [0, 512)");
+  v1::GenerateRequest text;
+  text.set_prompt_text("hello");
+  text.set_max_new_tokens(4);
+  add("text without tokenizer", text,
+      "prompt_text needs a tokenizer and this server has none (start it with --tokenizer FILE); "
+      "send prompt_ids instead");
+
+  for (const Case& c : cases) {
+    GenerateResult bad = generate(*server.stub, c.request, 5s);
+    EXPECT_EQ(bad.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << c.name;
+    EXPECT_EQ(bad.status.error_message(), c.message) << c.name;
+    EXPECT_TRUE(bad.tokens.empty()) << c.name;
+    GenerateResult good = generate(*server.stub, generate_request(kPrompt, 3), 5s);
+    EXPECT_TRUE(good.status.ok()) << "after " << c.name << ": " << good.status.error_message();
+  }
+}
+
+// Runs a Converse session with the given messages (no reads in between) and returns the
+// final status.
+grpc::Status converse_status(v1::M3Serve::Stub& stub, const std::vector<v1::ConverseRequest>& messages) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + 5s);
+  auto stream = stub.Converse(&ctx);
+  for (const auto& m : messages)
+    if (!stream->Write(m)) break;
+  stream->WritesDone();
+  v1::ConverseResponse response;
+  while (stream->Read(&response)) {
+  }
+  return stream->Finish();
+}
+
+TEST(ServerTest, ConverseProtocolErrorsAreInvalidArgument) {
+  TestServer server;
+  v1::ConverseRequest config, input, bad_input, end, empty, text, long_reply, end_no_limit;
+  config.mutable_config()->set_max_new_tokens(4);
+  input.mutable_input()->add_ids(10);
+  bad_input.mutable_input()->add_ids(600);
+  end.mutable_end_turn();
+  text.set_input_text("hi");
+  long_reply.mutable_end_turn()->set_max_new_tokens(200000);
+  end_no_limit.mutable_end_turn();
+  struct Case {
+    std::vector<v1::ConverseRequest> messages;
+    std::string message;
+  };
+  const std::vector<Case> cases = {
+      {{input, config}, "config must be the first message of a session; it came as message 2"},
+      {{config, end}, "end_turn before any input: the first turn needs at least one input token"},
+      {{config, empty}, "message 2 has no event set: send config, input, input_text or end_turn"},
+      {{config, bad_input}, "input.ids[0] = 600 is outside the model's vocabulary [0, 512)"},
+      {{config, text},
+       "input_text needs a tokenizer and this server has none (start it with --tokenizer FILE); "
+       "send input token ids instead"},
+      {{config, input, long_reply},
+       "end_turn.max_new_tokens = 200000 is above this server's limit of 100000 (max_new_tokens_limit)"},
+      {{input, end_no_limit},
+       "end_turn.max_new_tokens is 0 and the session config sets no max_new_tokens: one of them "
+       "must bound the reply"},
+  };
+  for (const Case& c : cases) {
+    grpc::Status status = converse_status(*server.stub, c.messages);
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << c.message;
+    EXPECT_EQ(status.error_message(), c.message);
+  }
+  // Still serving, and a correct session works.
+  EXPECT_TRUE(converse_status(*server.stub, {config, input, end}).ok());
+  EXPECT_TRUE(generate(*server.stub, generate_request(kPrompt, 3)).status.ok());
+}
+
+TEST(ServerTest, MetricsAddUp) {
+  TestServer server;
+  uint64_t tokens = 0;
+  for (int n : {3, 7, 11, 1, 20}) {
+    GenerateResult r = generate(*server.stub, generate_request(kPrompt, n));
+    ASSERT_TRUE(r.status.ok());
+    tokens += r.tokens.size();
+  }
+  generate(*server.stub, generate_request({}, 5));
+  generate(*server.stub, generate_request(kPrompt, 0));
+  ASSERT_TRUE(wait_for_requests(*server.app, "invalid_argument", 2));
+  ASSERT_TRUE(wait_for_requests(*server.app, "ok", 5));
+  const std::string text = server.app->metrics().serialize();
+  EXPECT_EQ(metric_value(text, "m3serve_requests_total{status=\"ok\"}"), 5) << text;
+  EXPECT_EQ(metric_value(text, "m3serve_requests_total{status=\"invalid_argument\"}"), 2);
+  EXPECT_EQ(metric_value(text, "m3serve_tokens_generated_total"), static_cast<double>(tokens));
+  // Every accepted request had one first token; every later token one inter-token gap.
+  EXPECT_EQ(metric_value(text, "m3serve_time_to_first_token_seconds_count"), 5) << text;
+  EXPECT_EQ(metric_value(text, "m3serve_inter_token_latency_seconds_count"),
+            static_cast<double>(tokens - 5));
+  EXPECT_EQ(metric_value(text, "m3serve_request_duration_seconds_count"), 7);
+  EXPECT_EQ(metric_value(text, "m3serve_active_sequences"), 0);
+  EXPECT_EQ(metric_value(text, "m3serve_queue_depth"), 0);
+}
+
+TEST(ServerTest, LogLinesDoNotGrowWithTokens) {
+  TestServer server;
+  auto lines_for = [&](uint32_t max_new) {
+    const size_t before = server.sink->count();
+    GenerateResult r = generate(*server.stub, generate_request(kPrompt, max_new));
+    EXPECT_TRUE(r.status.ok());
+    EXPECT_EQ(r.tokens.size(), max_new);
+    // The line is written as the stream ends; give the server a moment.
+    for (int i = 0; i < 200 && server.sink->count() == before; ++i) std::this_thread::sleep_for(5ms);
+    std::this_thread::sleep_for(20ms);
+    return server.sink->count() - before;
+  };
+  const size_t short_lines = lines_for(10);
+  const size_t long_lines = lines_for(200);
+  EXPECT_EQ(short_lines, 1u);
+  EXPECT_EQ(long_lines, short_lines);
+  const auto lines = server.sink->lines();
+  EXPECT_NE(lines.back().find("tokens_out=200"), std::string::npos) << lines.back();
+  EXPECT_NE(lines.back().find("status=ok"), std::string::npos) << lines.back();
+}
+
+TEST(ServerTest, ThirtyTwoConcurrentStreamsLoseNothing) {
+  ServerConfig config = test_config();
+  config.max_batch = 8;
+  config.queue_capacity = 32;
+  TestServer server(config);
+  std::vector<std::future<GenerateResult>> results;
+  std::vector<std::vector<int32_t>> prompts;
+  for (int i = 0; i < 32; ++i) prompts.push_back({i, (i * 37) % 512, 5, (i * 11) % 512});
+  for (int i = 0; i < 32; ++i) {
+    results.push_back(std::async(std::launch::async, [&, i] {
+      return generate(*server.stub, generate_request(prompts[i], 24 + i));
+    }));
+  }
+  for (int i = 0; i < 32; ++i) {
+    GenerateResult r = results[i].get();
+    ASSERT_TRUE(r.status.ok()) << i << ": " << r.status.error_message();
+    EXPECT_EQ(r.tokens, engine_generate(prompts[i], 24 + i)) << "stream " << i;
+    EXPECT_EQ(r.finish.timings().generated_tokens(), static_cast<uint32_t>(24 + i));
+  }
+}
+
+TEST(ServerTest, SlowReaderIsCancelledAndOthersGoOn) {
+  ServerConfig config = test_config();
+  config.stream_buffer_tokens = 64;
+  config.max_new_tokens_limit = 10'000'000;
+  TestServer server(config);
+  // A client with a small receive window that reads nothing: the server's writes stall
+  // once the window is full.
+  grpc::ChannelArguments args;
+  args.SetInt(GRPC_ARG_HTTP2_BDP_PROBE, 0);
+  args.SetInt("grpc.http2.lookahead_bytes", 1024);
+  args.SetInt(GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH, 1 << 20);
+  auto slow_channel = grpc::CreateCustomChannel("127.0.0.1:" + std::to_string(server.app->port()),
+                                                grpc::InsecureChannelCredentials(), args);
+  auto slow_stub = v1::M3Serve::NewStub(slow_channel);
+  grpc::ClientContext slow_ctx;
+  auto slow = slow_stub->Generate(&slow_ctx, generate_request(kPrompt, 10'000'000));
+  // It reads nothing: once 64 tokens are unread the server lets go of its slot (the
+  // stream's status waits behind the messages already in flight).
+  bool released = false;
+  for (int i = 0; i < 500 && !released; ++i) {
+    std::this_thread::sleep_for(10ms);
+    const std::string text = server.app->metrics().serialize();
+    released = metric_value(text, "m3serve_tokens_generated_total") > 64 &&
+               metric_value(text, "m3serve_active_sequences") == 0;
+  }
+  ASSERT_TRUE(released);
+  GenerateResult other = generate(*server.stub, generate_request(kPrompt, 30));
+  EXPECT_TRUE(other.status.ok());
+  EXPECT_EQ(other.tokens, engine_generate(kPrompt, 30));
+
+  // When the slow client reads at last, it gets what was sent, then the reason.
+  std::vector<int32_t> got;
+  v1::GenerateResponse response;
+  while (slow->Read(&response))
+    for (int32_t id : response.tokens().ids()) got.push_back(id);
+  grpc::Status status = slow->Finish();
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_EQ(status.error_message(),
+            "the client reads too slowly: 64 generated tokens were left unread "
+            "(stream_buffer_tokens); stream cancelled");
+  const std::vector<int32_t> expected = engine_generate(kPrompt, static_cast<int>(got.size()));
+  EXPECT_EQ(got, expected) << "what did arrive is the stream's prefix";
+  EXPECT_TRUE(wait_for_requests(*server.app, "resource_exhausted", 1));
+}
+
+TEST(ServerTest, ModelInfo) {
+  TestServer server;
+  grpc::ClientContext ctx;
+  v1::ModelInfo info;
+  ASSERT_TRUE(server.stub->GetModelInfo(&ctx, {}, &info).ok());
+  EXPECT_EQ(info.backend(), "cpu");
+  EXPECT_EQ(info.vocab_size(), 512u);
+  EXPECT_EQ(info.padded_vocab_size(), 512u);
+  EXPECT_EQ(info.n_layer(), 2u);
+  EXPECT_EQ(info.max_batch(), 4u);
+  EXPECT_FALSE(info.has_tokenizer());
+  EXPECT_FALSE(info.demo_model());
+}
+
+TEST(ServerTest, ShutdownCancelsWhatOutlivesTheGracePeriod) {
+  TestServer server;
+  grpc::ClientContext ctx;
+  auto reader = server.stub->Generate(&ctx, generate_request(kPrompt, 100000));
+  v1::GenerateResponse response;
+  ASSERT_TRUE(reader->Read(&response));
+  std::thread stopper([&] { server.app->shutdown(200ms); });
+  bool cancelled = false;
+  while (reader->Read(&response))
+    if (response.has_finished()) cancelled = response.finished().reason() == v1::FINISH_REASON_CANCELLED;
+  EXPECT_TRUE(reader->Finish().ok());
+  EXPECT_TRUE(cancelled);
+  stopper.join();
+  GenerateResult after = generate(*server.stub, generate_request(kPrompt, 3), 2s);
+  EXPECT_FALSE(after.status.ok());
+}
+
+}  // namespace
+}  // namespace m3::test
