@@ -19,7 +19,6 @@ namespace {
 
 constexpr int kWarps = 8;
 constexpr int kThreads = kWarps * 32;
-constexpr int kHeld = 8;  // 32-column blocks per warp whose weights load before the PDL wait
 
 struct MmaParams {
   const __nv_bfloat16* weight;
@@ -52,6 +51,9 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
 template <int BT, GemvEpilogue E>
 __global__ void __launch_bounds__(kThreads) gemv_mma_kernel(const MmaParams p) {
   constexpr int NT = BT / 8;  // n-tiles
+  // 32-column blocks per warp whose weights load before the PDL wait (fewer for wide
+  // tiles, whose staging needs the registers).
+  constexpr int kHeld = BT >= 16 ? 4 : 8;
   constexpr bool kGated = E == GemvEpilogue::GatedSilu;
   extern __shared__ float4 smem4[];
   uint32_t* xs = reinterpret_cast<uint32_t*>(smem4);          // [BT][x_row_words] bf16 pairs

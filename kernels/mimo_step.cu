@@ -259,13 +259,35 @@ __global__ void __launch_bounds__(kThreads, 2) mimo_step_kernel(const MimoParams
         reinterpret_cast<float4*>(ssm + (int64_t)(p0 + pl) * N)[n4] = make_float4(s4[0], s4[1], s4[2], s4[3]);
       }
     }
+    // The sums of up to 16 (row, rank) pairs at once (transposed butterfly); lane L ends
+    // with pair L of the set.
+    // (Only where all of a warp's sums fit one set: split sets pushed the whole-head
+    // variant's arrays to local memory.)
+    constexpr int kRowsPerSet = kRowsPerWarp * R <= 16 ? kRowsPerWarp : 0;
+    if constexpr (kRowsPerSet >= 1) {
 #pragma unroll
-    for (int u = 0; u < kRowsPerWarp; ++u) {
+      for (int u0 = 0; u0 < kRowsPerWarp; u0 += kRowsPerSet) {
+        float flat[kRowsPerSet * R];
 #pragma unroll
-      for (int r = 0; r < R; ++r) {
-        const float t = warp_sum(yacc[u][r]);
-        const int pl = g0 + warp * kRowsPerWarp + u;
-        if (lane == 0 && pl < pc) y[r * pc + pl] = t + Dh * xv[r * pc + pl];
+        for (int u = 0; u < kRowsPerSet; ++u)
+#pragma unroll
+          for (int r = 0; r < R; ++r) flat[u * R + r] = yacc[u0 + u][r];
+        const float t = warp_sum_many(flat);
+        if (lane < kRowsPerSet * R) {
+          const int u = u0 + lane / R, r = lane % R;
+          const int pl = g0 + warp * kRowsPerWarp + u;
+          if (pl < pc) y[r * pc + pl] = t + Dh * xv[r * pc + pl];
+        }
+      }
+    } else {
+#pragma unroll
+      for (int u = 0; u < kRowsPerWarp; ++u) {
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+          const float t = warp_sum(yacc[u][r]);
+          const int pl = g0 + warp * kRowsPerWarp + u;
+          if (lane == 0 && pl < pc) y[r * pc + pl] = t + Dh * xv[r * pc + pl];
+        }
       }
     }
   }
