@@ -1,6 +1,6 @@
 // The batched gemv on tensor cores (mma.sync m16n8k16, bf16 in, fp32 accumulate), for
-// bf16 weights and batches of 8 or more, where the CUDA-core kernel turns
-// arithmetic-bound. Same contract and fusions as gemv.cu (see gemv.cuh).
+// bf16 weights and batches of 4 or more (tiles of 8 or 16 columns, zero-padded), where
+// the CUDA-core kernel turns arithmetic-bound. Same contract and fusions as gemv.cu (see gemv.cuh).
 //
 // A block owns 16 weight rows and splits the columns over its 8 warps. Each lane loads
 // 16 bytes of two rows (g and g+8) per 32 columns; since a dot product does not care in
@@ -9,6 +9,8 @@
 // into the A fragments. x is staged once per block in shared memory as bf16.
 #include "kernels/gemv_mma.cuh"
 
+#include <algorithm>
+#include <cstdlib>
 #include <stdexcept>
 #include <string>
 
@@ -190,15 +192,25 @@ size_t smem_for(int bt, int row_words) {
 
 }  // namespace
 
+// Smallest batch that takes the tensor-core path; M3_GEMV_MMA_MIN_BATCH overrides (A/B).
+int min_batch() {
+  static const int value = [] {
+    const char* env = std::getenv("M3_GEMV_MMA_MIN_BATCH");
+    return env != nullptr ? std::max(1, std::atoi(env)) : 4;
+  }();
+  return value;
+}
+
 bool gemv_mma_applies(const GemvArgs& a) {
-  if (a.type != WeightType::BF16 || a.batch < 8 || a.cols % 32 != 0) return false;
+  if (a.type != WeightType::BF16 || a.batch < min_batch() || a.cols % 32 != 0) return false;
   const int words = a.cols / 2 + (16 - (a.cols / 2) % 32 + 32) % 32;
   return smem_for(8, words) <= kMaxSharedBytesPerBlock;
 }
 
 KernelLaunch plan_gemv_mma(const GemvArgs& a) {
   if (!gemv_mma_applies(a)) {
-    throw std::invalid_argument("plan_gemv_mma: needs bf16 weights, batch >= 8 and cols % 32 == 0");
+    throw std::invalid_argument("plan_gemv_mma: needs bf16 weights, batch >= " + std::to_string(min_batch()) +
+                                " and cols % 32 == 0");
   }
   MmaParams p{static_cast<const __nv_bfloat16*>(a.weight), a.out_rows, a.cols, a.x, a.x_stride,
               a.norm_weight, a.norm_eps, a.y, a.y_stride, a.batch, 0};

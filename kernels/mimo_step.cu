@@ -59,6 +59,10 @@ __global__ void __launch_bounds__(kThreads, 2) mimo_step_kernel(const MimoParams
   float* braw = rs + ((R + 3) & ~3);           // [R][N] in_proj B
   float* craw = braw + R * N;                  // [R][N] in_proj C
   float* angs = craw + R * N;                  // [S] in_proj angle inputs
+  float* o_s = angs + ((S + 3) & ~3);          // [pc] o, when out_proj is fused
+  // [d_model][pc] columns of out_proj (raw weights), 16-byte aligned, when fused.
+  unsigned char* wsl = reinterpret_cast<unsigned char*>(o_s + ((pc + 3) & ~3));
+  const bool fused = a.out_proj != nullptr;
 
   // --- independent of the previous kernel ---
   const int slot = a.slots[b];
@@ -84,6 +88,19 @@ __global__ void __launch_bounds__(kThreads, 2) mimo_step_kernel(const MimoParams
     }
   };
   load_rows(0);
+  if (fused) {  // out_proj columns: async copies into shared memory, waited for at the end
+    const int esize = a.out_proj_type == WeightType::BF16 ? 2 : 4;
+    const int row_bytes = pc * esize, pieces = row_bytes / 16;
+    const unsigned char* src = static_cast<const unsigned char*>(a.out_proj) +
+                               (size_t)(h * P + p0) * esize;
+    const size_t src_row = (size_t)H * P * esize;
+    for (int i = tid; i < a.d_model * pieces; i += kThreads) {
+      const int m = i / pieces, q = i % pieces;
+      const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(wsl + m * row_bytes + q * 16));
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src + m * src_row + q * 16));
+    }
+    asm volatile("cp.async.commit_group;");
+  }
   prefetch_l2(a.prefetch[0]);
   prefetch_l2(a.prefetch[1]);
   // All independent loads in flight at once (registers), then into shared memory.
@@ -312,7 +329,41 @@ __global__ void __launch_bounds__(kThreads, 2) mimo_step_kernel(const MimoParams
       if (a.out_norm != nullptr) yv *= rs[r] * onw[i];
       out += yv * silu(z * mz[r * pc + i]) * mo[r * pc + i];
     }
-    a.o[(int64_t)b * a.o_stride + h * P + p0 + i] = out;
+    if (fused) {
+      o_s[i] = out;
+    } else {
+      a.o[(int64_t)b * a.o_stride + h * P + p0 + i] = out;
+    }
+  }
+  if (fused) {
+    asm volatile("cp.async.wait_all;" ::: "memory");
+    __syncthreads();
+    float* res = a.residual + (int64_t)b * a.residual_stride;
+    for (int m = tid; m < a.d_model; m += kThreads) {
+      float acc = 0.f;
+      if (a.out_proj_type == WeightType::BF16) {
+        const uint4* wr = reinterpret_cast<const uint4*>(wsl + (size_t)m * pc * 2);
+        for (int q = 0; q < pc / 8; ++q) {
+          const uint4 v = wr[q];
+          const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            acc = fmaf(__uint_as_float(words[j] << 16), o_s[q * 8 + 2 * j], acc);
+            acc = fmaf(__uint_as_float(words[j] & 0xffff0000u), o_s[q * 8 + 2 * j + 1], acc);
+          }
+        }
+      } else {
+        const float4* wr = reinterpret_cast<const float4*>(wsl + (size_t)m * pc * 4);
+        for (int q = 0; q < pc / 4; ++q) {
+          const float4 v = wr[q];
+          acc = fmaf(v.x, o_s[q * 4], acc);
+          acc = fmaf(v.y, o_s[q * 4 + 1], acc);
+          acc = fmaf(v.z, o_s[q * 4 + 2], acc);
+          acc = fmaf(v.w, o_s[q * 4 + 3], acc);
+        }
+      }
+      atomicAdd(res + m, acc);
+    }
   }
 }
 
@@ -320,8 +371,13 @@ template <int R, int NV, int RW>
 KernelLaunch plan_rank(const MimoStepArgs& a, int p_chunk) {
   const MimoParams prm{a, mimo_state_layout(a.heads, a.headdim, a.d_state, a.rank, a.n_angles), p_chunk};
   const size_t S4 = (a.n_angles + 3) & ~3;
-  const size_t floats = 7 * (size_t)R * a.d_state + 2 * (size_t)a.d_state + 2 * S4 +
-                        6 * (size_t)R * p_chunk + 4 * (size_t)p_chunk + ((R + 3) & ~3);
+  size_t floats = 7 * (size_t)R * a.d_state + 2 * (size_t)a.d_state + 2 * S4 +
+                  6 * (size_t)R * p_chunk + 4 * (size_t)p_chunk + ((R + 3) & ~3);
+  floats += (p_chunk + 3) & ~3;  // o_s
+  floats = (floats + 3) & ~size_t{3};
+  if (a.out_proj != nullptr) {
+    floats += (size_t)a.d_model * p_chunk * (a.out_proj_type == WeightType::BF16 ? 2 : 4) / 4;
+  }
   return KernelLaunch::make("mimo_step", mimo_step_kernel<R, NV, RW>,
                             dim3(a.headdim / p_chunk, a.heads, a.batch), dim3(kThreads),
                             floats * sizeof(float), prm);
@@ -353,6 +409,23 @@ MimoStateLayout mimo_state_layout(int H, int P, int N, int R, int S) {
   return l;
 }
 
+namespace {
+// The rows per block plan_nv picks for the fused (small-batch) case.
+int fused_p_chunk(const MimoStepArgs& a) {
+  if (a.out_norm != nullptr || a.batch >= 8 || a.d_state > 128 || a.headdim % 16 != 0) return 0;
+  return 16;
+}
+}  // namespace
+
+bool mimo_step_can_fuse_out_proj(const MimoStepArgs& a) {
+  const int pc = fused_p_chunk(a);
+  if (pc == 0 || a.d_model <= 0) return false;
+  const size_t esize = a.out_proj_type == WeightType::BF16 ? 2 : 4;
+  const size_t rest = sizeof(float) * (7 * (size_t)a.rank * a.d_state + 2 * (size_t)a.d_state +
+                                       2 * (size_t)((a.n_angles + 3) & ~3) + 7 * (size_t)a.rank * pc + 8 * pc + 16);
+  return rest + (size_t)a.d_model * pc * esize + 1024 <= kMaxSharedBytesPerBlock;
+}
+
 KernelLaunch plan_mimo_step(const MimoStepArgs& a) {
   const std::string what = "mimo_step (H " + std::to_string(a.heads) + ", P " +
                            std::to_string(a.headdim) + ", N " + std::to_string(a.d_state) +
@@ -365,6 +438,9 @@ KernelLaunch plan_mimo_step(const MimoStepArgs& a) {
   }
   if (2 * a.n_angles > a.d_state) throw std::invalid_argument(what + ": more angles than pairs");
   if (a.headdim > 64) throw std::invalid_argument(what + ": headdim must be at most 64");
+  if (a.out_proj != nullptr && !mimo_step_can_fuse_out_proj(a)) {
+    throw std::invalid_argument(what + ": out_proj cannot be fused at batch " + std::to_string(a.batch));
+  }
   // A head's rows split over blocks unless the grouped output norm needs the whole head.
   switch (a.rank) {
     case 1: return plan_nv<1>(a);

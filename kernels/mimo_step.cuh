@@ -14,6 +14,7 @@
 #include <cstdint>
 
 #include "kernels/common.cuh"
+#include "kernels/embedding.cuh"  // WeightType
 #include "kernels/launch.cuh"
 
 namespace m3::kernels {
@@ -58,7 +59,20 @@ struct MimoStepArgs {
   int o_stride = 0;
   int batch = 0;
   L2Prefetch prefetch[2];  // weights of later kernels to pull into L2 meanwhile
+
+  // Optional fused out_proj (small batches): instead of writing o, each block multiplies
+  // its o values by its columns of out_proj [d_model, H*P] and adds the products into
+  // residual[b] with fp32 atomics (summation order varies run to run, within rounding).
+  const void* out_proj = nullptr;
+  WeightType out_proj_type = WeightType::BF16;
+  float* residual = nullptr;  // [batch, residual_stride]
+  int residual_stride = 0;
+  int d_model = 0;
 };
+
+// Whether plan_mimo_step can fuse out_proj for these sizes (the block's out_proj columns
+// must fit in shared memory next to the rest).
+bool mimo_step_can_fuse_out_proj(const MimoStepArgs& args);
 
 KernelLaunch plan_mimo_step(const MimoStepArgs& args);
 

@@ -47,6 +47,7 @@ class CudaEngine final : public Engine {
   bool graphs_enabled() const { return use_graphs_; }
   bool pdl_enabled() const { return pdl_; }
   bool l2_prefetch_enabled() const { return l2_prefetch_; }
+  bool out_proj_fusion_enabled() const { return fuse_out_proj_; }
   int kernels_per_step(int batch) const;
   int bucket_for(int batch) const { return graph_for_batch(batch).batch; }
   // Replays the step of the bucket that serves `batch` sequences about `iters` times on
@@ -78,6 +79,7 @@ class CudaEngine final : public Engine {
   int max_bucket_ = 0;
   bool use_graphs_ = true;
   bool pdl_ = true;
+  bool fuse_out_proj_ = true;  // small buckets: out_proj inside mimo_step (atomics)
   bool l2_prefetch_ = false;  // measured slower at batch 1 (notes); M3_CUDA_L2_PREFETCH=1 turns it on
   int device_ = 0;
 

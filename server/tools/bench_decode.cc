@@ -182,9 +182,10 @@ int run(const Options& o) {
     rows.push_back(r);
   }
 
-  std::printf("m3bench decode: %s, %s weights, %s, copy bandwidth %.0f GB/s, pdl %s, l2 prefetch %s\n",
+  std::printf("m3bench decode: %s, %s weights, %s, copy bandwidth %.0f GB/s, pdl %s, l2 prefetch %s, "
+              "fused out_proj %s\n",
               o.config.c_str(), o.dtype.c_str(), prop.name, bw, graphed.pdl_enabled() ? "on" : "off",
-              graphed.l2_prefetch_enabled() ? "on" : "off");
+              graphed.l2_prefetch_enabled() ? "on" : "off", graphed.out_proj_fusion_enabled() ? "on" : "off");
   std::printf("%6s %6s %8s %11s %11s %9s %7s %12s %8s %13s\n", "batch", "bucket", "kernels",
               "us/step", "tokens/s", "floor us", "ratio", "no-graph us", "speedup", "step() wall us");
   for (const Row& r : rows) {
@@ -208,6 +209,7 @@ int run(const Options& o) {
     j["copy_bandwidth_gbps"] = bw;
     j["pdl"] = graphed.pdl_enabled();
     j["l2_prefetch"] = graphed.l2_prefetch_enabled();
+    j["fused_out_proj"] = graphed.out_proj_fusion_enabled();
     j["iters"] = o.iters;
     for (const Row& r : rows) {
       j["results"].push_back({{"batch", r.batch},

@@ -147,9 +147,11 @@ TEST_F(CudaEngineTest, MatchesCpuEngineBf16) {
 TEST_F(CudaEngineTest, GraphReplayEqualsDirectLaunchesAndBucketsAreIndependent) {
   M3_REQUIRE_CUDA_DEVICE();
   load(testing::small_config());
-  auto graphed = cuda(6, WeightDType::BF16, true);
-  auto direct = cuda(6, WeightDType::BF16, false);
-  auto single = cuda(1, WeightDType::BF16, true);
+  // fp32 weights: bf16 engines round x to bf16 in the tensor-core gemv (batch >= 4), so a
+  // one-slot bf16 engine would not match a batched one to 1e-6.
+  auto graphed = cuda(6, WeightDType::F32, true);
+  auto direct = cuda(6, WeightDType::F32, false);
+  auto single = cuda(1, WeightDType::F32, true);
   const std::vector<int32_t> slots = {4, 1, 5};  // 3 of 6: bucket 4, one padding entry
   std::vector<int32_t> a(3), b(3), s(1);
   std::vector<float> la(3 * V()), lb(3 * V()), ls(V());
@@ -158,7 +160,8 @@ TEST_F(CudaEngineTest, GraphReplayEqualsDirectLaunchesAndBucketsAreIndependent) 
                                                : std::vector<int32_t>{kContinueToken, kContinueToken, kContinueToken};
     graphed->step(slots, tokens, a, la);
     direct->step(slots, tokens, b, lb);
-    ASSERT_EQ(la, lb) << "step " << t;  // same kernels, same order: bit-identical
+    // Same kernels; the fused out_proj adds with atomics, so only rounding may differ.
+    ASSERT_LT(rel_err(la, lb), 1e-5) << "step " << t;
     ASSERT_EQ(a, b);
     // Entry 1 alone in a one-slot engine gives the same numbers as inside the batch.
     const std::vector<int32_t> one = {t == 0 ? 2 : kContinueToken};

@@ -3,6 +3,7 @@
 // steps (so the parity double-buffering of angle and k_prev is exercised), with and
 // without the grouped output norm, halves and adjacent-pair rotation.
 #include <cmath>
+#include <algorithm>
 #include <numeric>
 
 #include "gpu_test_util.h"
@@ -116,7 +117,8 @@ void twin_step(const Dims& d, const kernels::MimoStateLayout& L, const Params& p
   }
 }
 
-void run_dims(const Dims& d, uint32_t seed, int batch = 3) {
+void run_dims(const Dims& d, uint32_t seed, int batch = 3, int fuse_d_model = 0,
+              kernels::WeightType fuse_type = kernels::WeightType::BF16) {
   SCOPED_TRACE("H " + std::to_string(d.H) + " P " + std::to_string(d.P) + " N " + std::to_string(d.N) +
                " R " + std::to_string(d.R) + " S " + std::to_string(d.S));
   const int H = d.H, P = d.P, N = d.N, R = d.R, S = d.S;
@@ -154,6 +156,14 @@ void run_dims(const Dims& d, uint32_t seed, int batch = 3) {
   DeviceArray<int32_t> dparities(batch);
   DeviceArray<float> dw(static_cast<size_t>(batch) * w_stride);
   DeviceArray<float> dout(static_cast<size_t>(batch) * (d_inner + 2));
+  // Fused out_proj: W_out [fuse_d_model, d_inner], residual [batch, fuse_d_model + 1].
+  const int res_stride = fuse_d_model + 1;
+  std::vector<float> w_out = testing::random_floats(static_cast<size_t>(std::max(fuse_d_model, 1)) * d_inner, seed + 30);
+  if (fuse_type == kernels::WeightType::BF16) w_out = testing::round_bf16(w_out);
+  DeviceArray<float> dw_out32(w_out);
+  DeviceArray<uint16_t> dw_out16(testing::to_bf16(w_out));
+  std::vector<float> residual = testing::random_floats(static_cast<size_t>(batch) * res_stride, seed + 31);
+  DeviceArray<float> dres(residual);
 
   std::vector<std::vector<double>> twin_state(n_slots);
   for (int s = 0; s < n_slots; ++s)
@@ -181,6 +191,15 @@ void run_dims(const Dims& d, uint32_t seed, int batch = 3) {
     a.slots = dslots.get(); a.parities = dparities.get();
     a.o = dout.get(); a.o_stride = d_inner + 2;
     a.batch = batch;
+    if (fuse_d_model > 0) {
+      a.out_proj = fuse_type == kernels::WeightType::BF16 ? static_cast<const void*>(dw_out16.get()) : dw_out32.get();
+      a.out_proj_type = fuse_type;
+      a.residual = dres.get();
+      a.residual_stride = res_stride;
+      a.d_model = fuse_d_model;
+      ASSERT_TRUE(kernels::mimo_step_can_fuse_out_proj(a));
+      dres.upload(residual);
+    }
     kernels::plan_mimo_step(a).launch(nullptr, false);
     M3_CUDA_CHECK(cudaDeviceSynchronize());
 
@@ -190,8 +209,22 @@ void run_dims(const Dims& d, uint32_t seed, int batch = 3) {
       const int slot = slots[b];
       twin_step(d, L, p, w.data() + b * w_stride, off_z, off_x, off_B, off_C, off_dt, off_A, off_trap,
                 off_ang, twin_state[slot], static_cast<int>(counters[slot] & 1), o);
-      std::vector<float> got(out.begin() + b * (d_inner + 2), out.begin() + b * (d_inner + 2) + d_inner);
-      EXPECT_LT(testing::max_rel_err(got, o), 1e-5) << "step " << step << " entry " << b;
+      if (fuse_d_model > 0) {
+        const std::vector<float> res_got = dres.download();
+        std::vector<double> want(fuse_d_model);
+        std::vector<float> got(fuse_d_model);
+        for (int m = 0; m < fuse_d_model; ++m) {
+          double acc = residual[b * res_stride + m];
+          for (int k = 0; k < d_inner; ++k) acc += static_cast<double>(w_out[static_cast<size_t>(m) * d_inner + k]) * o[k];
+          want[m] = acc;
+          got[m] = res_got[b * res_stride + m];
+        }
+        EXPECT_LT(testing::max_rel_err(got, want), 1e-5) << "fused out_proj, step " << step << " entry " << b;
+        EXPECT_EQ(res_got[b * res_stride + fuse_d_model], residual[b * res_stride + fuse_d_model]);
+      } else {
+        std::vector<float> got(out.begin() + b * (d_inner + 2), out.begin() + b * (d_inner + 2) + d_inner);
+        EXPECT_LT(testing::max_rel_err(got, o), 1e-5) << "step " << step << " entry " << b;
+      }
     }
     const std::vector<float> st = dstate.download();
     for (int s = 0; s < n_slots; ++s) {
@@ -231,6 +264,12 @@ TEST(MimoStepKernel, MatchesTwinAtBatchSizesThatPickOtherTilings) {
   run_dims({3, 64, 128, 4, 32, false, true}, 500, 8);   // 32 rows per block
   run_dims({2, 64, 128, 4, 32, false, true}, 600, 17);  // a whole head per block
   run_dims({2, 64, 96, 4, 12, true, true}, 700, 9);     // grouped norm at a large batch
+}
+
+TEST(MimoStepKernel, FusedOutProjAddsIntoTheResidual) {
+  M3_REQUIRE_CUDA_DEVICE();
+  run_dims({3, 48, 36, 4, 9, false, true}, 800, 3, 101, kernels::WeightType::BF16);
+  run_dims({2, 32, 28, 2, 7, false, true}, 900, 5, 64, kernels::WeightType::F32);
 }
 
 TEST(MimoStepKernel, RejectsUnsupportedRank) {
