@@ -12,6 +12,7 @@ namespace {
 
 constexpr int kWarps = 8;
 constexpr int kThreads = kWarps * 32;
+static_assert(sizeof(float) * kWarps * 8 <= kMaxSharedBytesPerBlock, "static shared memory");
 
 template <typename W>
 struct GemvParams {

@@ -21,6 +21,9 @@ namespace {
 
 constexpr int kWarps = 8;
 constexpr int kThreads = kWarps * 32;
+// Static part (partial sums of squares, widest tile); the dynamic part is checked when
+// the launch is planned and again against the kernel's attributes at load.
+static_assert(sizeof(float) * kWarps * 16 <= kMaxSharedBytesPerBlock, "static shared memory");
 
 struct MmaParams {
   const __nv_bfloat16* weight;

@@ -11,6 +11,8 @@ namespace {
 
 constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / 32;
+static_assert(kWarps * (sizeof(float) + sizeof(int) + sizeof(unsigned long long)) <= kMaxSharedBytesPerBlock,
+              "sampling's static shared memory must fit every target GPU");
 
 struct SamplingParams {
   SamplingArgs a;
