@@ -239,6 +239,12 @@ bool use_tensor_cores() {
   return env == nullptr || std::string(env) != "0";
 }
 
+// M3_GEMV_SMALL_RPW=2: two rows per warp at batch 1 whatever the grid (A/B measurements).
+int small_rows_per_warp() {
+  const char* env = std::getenv("M3_GEMV_SMALL_RPW");
+  return env != nullptr && std::string(env) == "2" ? 2 : 1;
+}
+
 int sm_count() {
   int device = 0, n = 0;
   M3_CUDA_CHECK(cudaGetDevice(&device));
@@ -253,7 +259,8 @@ KernelLaunch plan_tile(const GemvArgs& a, int tile) {
       // One row per warp gives the most blocks; when that would need a second wave on
       // this GPU, two rows per warp fit the grid into one.
       KernelLaunch one = plan_variant<W, 1, 1, E>(a);
-      if (static_cast<long>(one.grid().y) > static_cast<long>(one.resident_blocks_per_sm(kThreads)) * sm_count()) {
+      if (small_rows_per_warp() == 2 ||
+          static_cast<long>(one.grid().y) > static_cast<long>(one.resident_blocks_per_sm(kThreads)) * sm_count()) {
         return plan_variant<W, 1, 2, E>(a);
       }
       return one;

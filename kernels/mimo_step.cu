@@ -1,5 +1,6 @@
 #include "kernels/mimo_step.cuh"
 
+#include <cstdlib>
 #include <stdexcept>
 #include <string>
 
@@ -383,6 +384,15 @@ KernelLaunch plan_rank(const MimoStepArgs& a, int p_chunk) {
                             floats * sizeof(float), prm);
 }
 
+// Rows per block below batch 8: 16, or 8 with M3_MIMO_SMALL_CHUNK=8 (A/B measurements).
+int small_chunk() {
+  static const int value = [] {
+    const char* env = std::getenv("M3_MIMO_SMALL_CHUNK");
+    return env != nullptr && std::string(env) == "8" ? 8 : 16;
+  }();
+  return value;
+}
+
 // Small batches split a head's rows finely so the GPU fills; larger ones give each block
 // more rows to amortise its prologue.
 template <int R>
@@ -391,6 +401,7 @@ KernelLaunch plan_nv(const MimoStepArgs& a) {
   if (a.d_state <= 128) {
     if (split && a.batch >= 16 && a.headdim % 64 == 0) return plan_rank<R, 1, 8>(a, 64);
     if (split && a.batch >= 8 && a.headdim % 32 == 0) return plan_rank<R, 1, 4>(a, 32);
+    if (split && small_chunk() == 8 && a.headdim % 8 == 0) return plan_rank<R, 1, 1>(a, 8);
     return plan_rank<R, 1, 2>(a, split && a.headdim % 16 == 0 ? 16 : a.headdim);
   }
   return plan_rank<R, 2, 2>(a, split && a.headdim % 16 == 0 ? 16 : a.headdim);
@@ -413,7 +424,7 @@ namespace {
 // The rows per block plan_nv picks for the fused (small-batch) case.
 int fused_p_chunk(const MimoStepArgs& a) {
   if (a.out_norm != nullptr || a.batch >= 8 || a.d_state > 128 || a.headdim % 16 != 0) return 0;
-  return 16;
+  return small_chunk();
 }
 }  // namespace
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the lent GPU machine (device tool), from the repository root, with binaries
 # built elsewhere and carried in .device/:
-#   .device/bin/{m3_kernel_tests,m3_cuda_engine_tests,m3check,m3bench}
+#   .device/bin/{m3_kernel_tests,m3_cuda_engine_tests,m3check,m3bench}[.gz]
 #   .device/golden/{tiny,small_norm_mlp}/   (copy of ../shared/golden)
 # Writes logs under $OUT (or ./device-out) and prints a short summary last.
 # Usage: scripts/device_check.sh [all|tests|check|bench] [extra m3bench args...]
@@ -12,6 +12,11 @@ OUT=${OUT:-$PWD/device-out}
 mkdir -p "$OUT"
 BIN=.device/bin
 GOLDEN=.device/golden
+# Binaries may travel gzipped (the carried tree is limited to 64 MiB).
+for z in "$BIN"/*.gz; do
+  [[ -e $z ]] && gunzip -f "$z"
+done
+chmod +x "$BIN"/* 2>/dev/null
 summary=()
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
 
@@ -38,7 +43,7 @@ if [[ $MODE == all || $MODE == bench ]]; then
   "$BIN/m3bench" decode --config configs/models/s2s-14l.json --batch 1,2,4,8,16,32,64 \
       --json "$OUT/bench_bf16.json" --per-kernel "$@" 2>&1 | tee "$OUT/bench_bf16.txt"
   # A/B switches, one at a time, in the same run.
-  for sw in M3_GEMV_MMA_MIN_BATCH=8 M3_CUDA_FUSED_OUT_PROJ=0 M3_CUDA_PDL=0 M3_CUDA_L2_PREFETCH=1 M3_GEMV_TENSOR_CORES=0; do
+  for sw in ${M3_AB_SWITCHES:-M3_GEMV_SMALL_RPW=2 M3_MIMO_SMALL_CHUNK=8 M3_GEMV_MMA_MIN_BATCH=8 M3_CUDA_FUSED_OUT_PROJ=0 M3_CUDA_PDL=0 M3_CUDA_L2_PREFETCH=1 M3_GEMV_TENSOR_CORES=0}; do
     env $sw "$BIN/m3bench" decode --config configs/models/s2s-14l.json --batch 1,2,4,16,64 \
         --iters 100 2>&1 | tee "$OUT/bench_bf16_${sw%=*}.txt" | sed "s/^/[$sw] /"
   done
