@@ -12,6 +12,10 @@
 
 int main(int argc, char** argv) {
   // Every thread inherits this mask; the main thread takes the signals with sigwait().
+  // A shell starts background jobs with SIGINT ignored; an ignored signal never reaches
+  // sigwait(), so take both back to their default first (they stay blocked).
+  signal(SIGINT, SIG_DFL);
+  signal(SIGTERM, SIG_DFL);
   sigset_t stop_signals;
   sigemptyset(&stop_signals);
   sigaddset(&stop_signals, SIGINT);
@@ -34,9 +38,9 @@ int main(int argc, char** argv) {
 
   try {
     m3::ServerApp app(cmd.config);
-    int signal = 0;
-    sigwait(&stop_signals, &signal);
-    spdlog::info("received {}: shutting down (grace {:.1f}s)", signal == SIGTERM ? "SIGTERM" : "SIGINT",
+    int received = 0;
+    sigwait(&stop_signals, &received);
+    spdlog::info("received {}: shutting down (grace {:.1f}s)", received == SIGTERM ? "SIGTERM" : "SIGINT",
                  cmd.config.shutdown_grace_s);
     app.shutdown(std::chrono::duration<double>(cmd.config.shutdown_grace_s));
   } catch (const std::exception& e) {
