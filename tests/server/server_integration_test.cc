@@ -2,6 +2,8 @@
 // streams. What a stream carries must equal what the engine makes on its own.
 #include <gtest/gtest.h>
 
+#include <grpcpp/generic/generic_stub.h>
+
 #include <future>
 #include <regex>
 #include <thread>
@@ -441,6 +443,53 @@ TEST(ServerTest, SlowReaderIsCancelledAndOthersGoOn) {
   const std::vector<int32_t> expected = engine_generate(kPrompt, static_cast<int>(got.size()));
   EXPECT_EQ(got, expected) << "what did arrive is the stream's prefix";
   EXPECT_TRUE(wait_for_requests(*server.app, "resource_exhausted", 1));
+}
+
+TEST(ServerTest, ConcurrentStreamsShareEngineSteps) {
+  ServerConfig config = test_config();
+  config.max_batch = 4;
+  TestServer server(config);
+  const uint64_t steps_before = server.app->engine().stats().steps;
+  std::vector<std::future<GenerateResult>> results;
+  for (int i = 0; i < 4; ++i)
+    results.push_back(std::async(std::launch::async, [&, i] {
+      return generate(*server.stub, generate_request({i + 1, 2, 3}, 1500));
+    }));
+  for (auto& r : results) ASSERT_TRUE(r.get().status.ok());
+  // One step per token for the whole batch: 4 streams of 3 + 1500 tokens need far
+  // fewer steps than 4 * 1503 when they run together.
+  const uint64_t steps = server.app->engine().stats().steps - steps_before;
+  EXPECT_LT(steps, 2u * 1503u) << "the streams did not share steps";
+  EXPECT_GE(steps, 1502u);
+}
+
+// grpc.health.v1.Health/Check through a generic stub (its messages are tiny: an empty
+// request, and field 1 = status in the response).
+TEST(ServerTest, HealthServiceSaysServing) {
+  TestServer server;
+  grpc::GenericStub generic(server.channel);
+  grpc::CompletionQueue cq;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + 5s);
+  grpc::ByteBuffer request, response;
+  grpc::Slice empty("", 0);
+  request = grpc::ByteBuffer(&empty, 1);
+  auto call = generic.PrepareUnaryCall(&ctx, "/grpc.health.v1.Health/Check", request, &cq);
+  call->StartCall();
+  grpc::Status status;
+  call->Finish(&response, &status, reinterpret_cast<void*>(1));
+  void* tag = nullptr;
+  bool ok = false;
+  ASSERT_TRUE(cq.Next(&tag, &ok));
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  std::vector<grpc::Slice> slices;
+  ASSERT_TRUE(response.Dump(&slices).ok());
+  std::string bytes;
+  for (const auto& s : slices) bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
+  EXPECT_EQ(bytes, std::string("\x08\x01", 2)) << "status SERVING";
+  cq.Shutdown();
+  while (cq.Next(&tag, &ok)) {
+  }
 }
 
 TEST(ServerTest, ModelInfo) {

@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstdlib>
 #include <filesystem>
 #include <memory>
 #include <mutex>
@@ -59,6 +60,12 @@ inline const std::filesystem::path& tiny_model_dir() {
     auto d = std::filesystem::temp_directory_path() /
              ("m3serve-server-test-" + std::to_string(::getpid()));
     write_random_model(demo_model_config(), 7, DType::F32, d);
+    std::atexit([] {
+      std::error_code ec;
+      std::filesystem::remove_all(std::filesystem::temp_directory_path() /
+                                      ("m3serve-server-test-" + std::to_string(::getpid())),
+                                  ec);
+    });
     return d;
   }();
   return dir;
