@@ -155,6 +155,41 @@ TEST(ServerTest, ThreeTurnConverseEqualsTheConcatenatedGenerate) {
   }
 }
 
+TEST(ServerTest, ConverseInputSentDuringAReplyBelongsToTheNextTurn) {
+  TestServer server;
+  const std::vector<int32_t> t1 = {11, 12, 13}, t2 = {21, 22};
+  grpc::ClientContext ctx;
+  auto stream = server.stub->Converse(&ctx);
+  v1::ConverseRequest config, in1, in2, end;
+  config.mutable_config()->set_max_new_tokens(300);
+  for (int32_t id : t1) in1.mutable_input()->add_ids(id);
+  for (int32_t id : t2) in2.mutable_input()->add_ids(id);
+  end.mutable_end_turn()->set_max_new_tokens(8);
+  // Both turns are sent before any reply is read, and the client then closes its side:
+  // the first reply is long enough to still be running when turn 2 arrives.
+  v1::ConverseRequest long_end;
+  long_end.mutable_end_turn();  // the session's 300
+  for (const auto* m : {&config, &in1, &long_end, &in2, &end}) ASSERT_TRUE(stream->Write(*m));
+  stream->WritesDone();
+  std::vector<std::vector<int32_t>> replies(1);
+  v1::ConverseResponse response;
+  while (stream->Read(&response)) {
+    if (response.has_tokens()) {
+      for (int32_t id : response.tokens().ids()) replies.back().push_back(id);
+    } else {
+      replies.emplace_back();
+    }
+  }
+  ASSERT_TRUE(stream->Finish().ok());
+  ASSERT_EQ(replies.size(), 3u);  // two replies, then nothing after the last TurnFinished
+  EXPECT_TRUE(replies[2].empty());
+  EXPECT_EQ(replies[0], engine_generate(t1, 300));
+  std::vector<int32_t> whole = t1;
+  whole.insert(whole.end(), replies[0].begin(), replies[0].end());
+  whole.insert(whole.end(), t2.begin(), t2.end());
+  EXPECT_EQ(replies[1], engine_generate(whole, 8));
+}
+
 TEST(ServerTest, CancellationFreesTheSlot) {
   ServerConfig config = test_config();
   config.max_batch = 1;
