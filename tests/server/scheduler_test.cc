@@ -1,0 +1,180 @@
+// The scheduler against a scripted engine that records every step: batching, prefill
+// beside decoding, leaving within one step, the bounded queue.
+#include <gtest/gtest.h>
+
+#include <condition_variable>
+#include <mutex>
+#include <thread>
+
+#include "server/scheduler.h"
+
+namespace m3 {
+namespace {
+
+using namespace std::chrono_literals;
+
+// Samples (input + 1) % vocab; kContinueToken feeds the slot's previous sample.
+class ScriptedEngine final : public Engine {
+ public:
+  explicit ScriptedEngine(int slots) : last_(slots, -1) { config_.vocab_size = 1000; }
+  std::string_view backend() const override { return "scripted"; }
+  const ModelConfig& config() const override { return config_; }
+  int max_slots() const override { return static_cast<int>(last_.size()); }
+  void reset(int slot) override { last_[slot] = -1; }
+  void set_sampling(int, const SamplingParams&) override {}
+  void step(std::span<const int32_t> slots, std::span<const int32_t> tokens,
+            std::span<int32_t> sampled, std::span<float>) override {
+    std::this_thread::sleep_for(1ms);  // so that requests can arrive mid-stream
+    std::vector<std::pair<int32_t, int32_t>> record;
+    for (size_t i = 0; i < slots.size(); ++i) {
+      const int32_t in = tokens[i] == kContinueToken ? last_[slots[i]] : tokens[i];
+      if (in < 0) throw std::invalid_argument("continue without a previous sample");
+      sampled[i] = (in + 1) % config_.vocab_size;
+      last_[slots[i]] = sampled[i];
+      record.emplace_back(slots[i], tokens[i]);
+    }
+    std::lock_guard lock(mu_);
+    steps_.push_back(std::move(record));
+  }
+  EngineStats stats() const override {
+    std::lock_guard lock(mu_);
+    return {steps_.size(), 0, 0};
+  }
+  std::vector<std::vector<std::pair<int32_t, int32_t>>> steps() const {
+    std::lock_guard lock(mu_);
+    return steps_;
+  }
+
+ private:
+  ModelConfig config_;
+  std::vector<int32_t> last_;
+  mutable std::mutex mu_;
+  std::vector<std::vector<std::pair<int32_t, int32_t>>> steps_;
+};
+
+// Drains its sequence's outbox like a stream whose writes complete at once.
+class CollectingWriter final : public StreamWriter {
+ public:
+  std::shared_ptr<Sequence> seq;
+  void flush() override {
+    std::vector<int32_t> tokens;
+    for (;;) {
+      TokenOutbox::Item item = seq->outbox().take(&tokens);
+      std::lock_guard lock(mu_);
+      if (item.kind == TokenOutbox::Item::kNothing) return;
+      if (item.kind == TokenOutbox::Item::kTokens) got_.insert(got_.end(), tokens.begin(), tokens.end());
+      if (item.kind == TokenOutbox::Item::kClosed) {
+        status_ = item.status;
+        message_ = item.message;
+        closed_ = true;
+        cv_.notify_all();
+      }
+    }
+  }
+  StreamStatus wait_closed() {
+    std::unique_lock lock(mu_);
+    EXPECT_TRUE(cv_.wait_for(lock, 10s, [&] { return closed_; }));
+    return status_;
+  }
+  size_t count() {
+    std::lock_guard lock(mu_);
+    return got_.size();
+  }
+  std::vector<int32_t> got() {
+    std::lock_guard lock(mu_);
+    return got_;
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<int32_t> got_;
+  bool closed_ = false;
+  StreamStatus status_ = StreamStatus::kOk;
+  std::string message_;
+};
+
+std::unique_ptr<CollectingWriter> start(Scheduler& scheduler, std::vector<int32_t> prompt,
+                                        uint32_t max_new, Scheduler::Admission* admission = nullptr) {
+  auto writer = std::make_unique<CollectingWriter>();
+  SequenceParams params;
+  params.max_new_tokens = max_new;
+  writer->seq = std::make_shared<Sequence>(params, 4096, writer.get());
+  writer->seq->add_input(prompt);
+  writer->seq->end_turn(max_new);
+  writer->seq->close_input();
+  Scheduler::Admission a = scheduler.submit(writer->seq);
+  if (admission) *admission = a;
+  return writer;
+}
+
+TEST(SchedulerTest, PrefillRunsBesideDecodingInOneStep) {
+  ScriptedEngine engine(2);
+  Scheduler scheduler(engine, {}, nullptr, nullptr);
+  auto a = start(scheduler, {1}, 200);
+  while (a->count() < 5) std::this_thread::sleep_for(1ms);
+  auto b = start(scheduler, {500, 501, 502}, 3);
+  EXPECT_EQ(b->wait_closed(), StreamStatus::kOk);
+  EXPECT_EQ(a->wait_closed(), StreamStatus::kOk);
+  EXPECT_EQ(b->got(), (std::vector<int32_t>{503, 504, 505}));
+  std::vector<int32_t> expected_a;
+  for (int i = 0; i < 200; ++i) expected_a.push_back(2 + i);
+  EXPECT_EQ(a->got(), expected_a);
+
+  // B's prompt tokens went in the same steps as A's decoding.
+  int shared = 0;
+  for (const auto& step : engine.steps()) {
+    if (step.size() != 2) continue;
+    bool a_decodes = false, b_prefills = false;
+    for (auto [slot, token] : step) {
+      a_decodes |= token == kContinueToken;
+      b_prefills |= token == 501 || token == 502;
+    }
+    shared += a_decodes && b_prefills;
+  }
+  EXPECT_EQ(shared, 2);
+}
+
+TEST(SchedulerTest, ACancelledSequenceLeavesWithinOneStep) {
+  ScriptedEngine engine(1);
+  Scheduler scheduler(engine, {}, nullptr, nullptr);
+  auto a = start(scheduler, {1}, 100000);
+  while (a->count() < 10) std::this_thread::sleep_for(1ms);
+  const size_t steps_at_cancel = engine.stats().steps;
+  a->seq->request_cancel(StreamStatus::kCancelled, "cancelled by the client");
+  scheduler.wake();
+  EXPECT_EQ(a->wait_closed(), StreamStatus::kCancelled);
+  // The step in progress when it was cancelled may finish; no other step includes it.
+  EXPECT_LE(engine.stats().steps, steps_at_cancel + 1);
+  auto b = start(scheduler, {7}, 2);
+  EXPECT_EQ(b->wait_closed(), StreamStatus::kOk);
+  EXPECT_EQ(b->got(), (std::vector<int32_t>{8, 9}));
+}
+
+TEST(SchedulerTest, TheQueueIsBounded) {
+  ScriptedEngine engine(1);
+  SchedulerOptions options;
+  options.queue_capacity = 1;
+  Scheduler scheduler(engine, options, nullptr, nullptr);
+  Scheduler::Admission admission;
+  auto running = start(scheduler, {1}, 100000, &admission);
+  EXPECT_EQ(admission.status, StreamStatus::kOk);
+  auto queued = start(scheduler, {2}, 3, &admission);
+  EXPECT_EQ(admission.status, StreamStatus::kOk);
+  auto refused = start(scheduler, {3}, 3, &admission);
+  EXPECT_EQ(admission.status, StreamStatus::kResourceExhausted);
+  EXPECT_EQ(admission.message,
+            "server at capacity: all 1 slots are busy and 1 requests are already waiting "
+            "(queue_capacity); retry later");
+  running->seq->request_cancel(StreamStatus::kCancelled, "test");
+  scheduler.wake();
+  EXPECT_EQ(queued->wait_closed(), StreamStatus::kOk);
+  EXPECT_EQ(queued->got(), (std::vector<int32_t>{3, 4, 5}));
+  scheduler.stop_accepting();
+  start(scheduler, {3}, 3, &admission);
+  EXPECT_EQ(admission.status, StreamStatus::kUnavailable);
+  EXPECT_EQ(admission.message, "the server is shutting down");
+}
+
+}  // namespace
+}  // namespace m3
