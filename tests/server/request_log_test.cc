@@ -1,0 +1,47 @@
+// The request log: one line per request, warnings limited per kind.
+#include <gtest/gtest.h>
+
+#include <thread>
+
+#include "server/request_log.h"
+#include "tests/server/server_test_support.h"
+
+namespace m3 {
+namespace {
+
+TEST(RequestLogTest, WarningsAreRateLimitedPerKind) {
+  auto sink = std::make_shared<test::CountingSink>();
+  auto logger = std::make_shared<spdlog::logger>("rate-test", sink);
+  RequestLog log(logger, /*burst=*/2, std::chrono::seconds(1));
+  for (int i = 0; i < 50; ++i) log.warn("slow_client", "client too slow " + std::to_string(i));
+  log.warn("internal", "engine error");  // another kind has its own budget
+  ASSERT_EQ(sink->count(), 3u);
+  EXPECT_EQ(sink->lines()[0], "client too slow 0");
+  EXPECT_EQ(sink->lines()[1], "client too slow 1");
+  EXPECT_EQ(sink->lines()[2], "engine error");
+  std::this_thread::sleep_for(std::chrono::milliseconds(1100));
+  log.warn("slow_client", "client too slow again");
+  ASSERT_EQ(sink->count(), 4u);
+  EXPECT_EQ(sink->lines()[3],
+            "client too slow again (48 similar warnings suppressed in the last 1s)");
+}
+
+TEST(RequestLogTest, OneLinePerRequestWithItsNumbers) {
+  auto sink = std::make_shared<test::CountingSink>();
+  RequestLog log(std::make_shared<spdlog::logger>("line-test", sink));
+  RequestRecord r;
+  r.method = "Generate";
+  r.request_id = "abc";
+  r.status = StreamStatus::kInvalidArgument;
+  r.message = "max_new_tokens must be at least 1";
+  r.summary.prompt_tokens = 3;
+  r.duration_ms = 1.25;
+  log.request_done(r);
+  ASSERT_EQ(sink->count(), 1u);
+  EXPECT_EQ(sink->lines()[0],
+            "Generate id=abc status=invalid_argument tokens_in=3 tokens_out=0 turns=0 "
+            "queue_ms=0.0 ttft_ms=-1.0 duration_ms=1.2 error=\"max_new_tokens must be at least 1\"");
+}
+
+}  // namespace
+}  // namespace m3
