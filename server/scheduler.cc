@@ -168,9 +168,15 @@ void Scheduler::admit_waiting(Clock::time_point now) {
       continue;
     }
     const int i = free_slots_.back();
+    try {
+      engine_.reset(i);
+      engine_.set_sampling(i, seq->params().sampling);
+    } catch (const std::exception& e) {
+      log_->error("engine could not start a sequence in slot {}: {}", i, e.what());
+      close_unadmitted(seq, StreamStatus::kInternal, std::string("engine error: ") + e.what());
+      continue;
+    }
     free_slots_.pop_back();
-    engine_.reset(i);
-    engine_.set_sampling(i, seq->params().sampling);
     Slot& s = slots_[i];
     s.seq = std::move(seq);
     s.phase = Phase::kIdle;

@@ -68,6 +68,7 @@ class CollectingWriter final : public StreamWriter {
         message_ = item.message;
         closed_ = true;
         cv_.notify_all();
+        return;  // like a reactor after Finish(): the stream may be gone now
       }
     }
   }
