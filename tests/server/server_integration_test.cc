@@ -547,12 +547,29 @@ TEST(ServerTest, ShutdownCancelsWhatOutlivesTheGracePeriod) {
   auto reader = server.stub->Generate(&ctx, generate_request(kPrompt, 100000));
   v1::GenerateResponse response;
   ASSERT_TRUE(reader->Read(&response));
+  // A session between turns: it would wait for input forever.
+  grpc::ClientContext session_ctx;
+  auto session = server.stub->Converse(&session_ctx);
+  v1::ConverseRequest input, end;
+  input.mutable_input()->add_ids(5);
+  end.mutable_end_turn()->set_max_new_tokens(2);
+  ASSERT_TRUE(session->Write(input));
+  ASSERT_TRUE(session->Write(end));
+  v1::ConverseResponse turn;
+  while (session->Read(&turn) && !turn.has_turn_finished()) {
+  }
+
   std::thread stopper([&] { server.app->shutdown(200ms); });
   bool cancelled = false;
   while (reader->Read(&response))
     if (response.has_finished()) cancelled = response.finished().reason() == v1::FINISH_REASON_CANCELLED;
   EXPECT_TRUE(reader->Finish().ok());
   EXPECT_TRUE(cancelled);
+  while (session->Read(&turn)) {
+  }
+  grpc::Status session_status = session->Finish();
+  EXPECT_EQ(session_status.error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_EQ(session_status.error_message(), "the server is shutting down");
   stopper.join();
   GenerateResult after = generate(*server.stub, generate_request(kPrompt, 3), 2s);
   EXPECT_FALSE(after.status.ok());
