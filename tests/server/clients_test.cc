@@ -7,7 +7,11 @@
 #include <sys/wait.h>
 
 #include <array>
+#include <cerrno>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <memory>
 #include <numeric>
@@ -142,7 +146,13 @@ struct CliRun {
 
 // Runs m3cli with `args` (shell words), stdin from `input`.
 CliRun m3cli(const std::string& args, const std::string& input = "") {
-  const std::string dir = ::testing::TempDir();
+  // A directory of its own: ctest runs tests in parallel, each in its own process, and
+  // shared file names in the temp dir would mix their outputs.
+  std::string dir = ::testing::TempDir() + "m3cli-XXXXXX";
+  if (mkdtemp(dir.data()) == nullptr) {
+    ADD_FAILURE() << "mkdtemp " << dir << ": " << std::strerror(errno);
+    return {-1, "", ""};
+  }
   const std::string in = dir + "/m3cli.in", out = dir + "/m3cli.out", err = dir + "/m3cli.err";
   std::ofstream(in) << input;
   const std::string command =
@@ -152,7 +162,9 @@ CliRun m3cli(const std::string& args, const std::string& input = "") {
     std::ifstream file(path);
     return std::string(std::istreambuf_iterator<char>(file), {});
   };
-  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, slurp(out), slurp(err)};
+  CliRun run{WIFEXITED(status) ? WEXITSTATUS(status) : -1, slurp(out), slurp(err)};
+  std::filesystem::remove_all(dir);
+  return run;
 }
 
 bool contains(const std::string& text, const std::string& part) {
