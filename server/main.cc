@@ -1,26 +1,50 @@
 // m3serve: serves a Mamba-3 MIMO decoder over gRPC (see configs/server.yaml, --help).
 #include <signal.h>
+#include <unistd.h>
 #include <spdlog/spdlog.h>
 
 #include <cstdio>
 #include <exception>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
 #include "server/server_app.h"
 #include "server/server_config.h"
 
+namespace {
+
+// SIGTERM/SIGINT: the handler (any thread may run it) writes the signal number into a
+// pipe; main() waits on the pipe and shuts down outside signal context.
+int g_signal_pipe[2] = {-1, -1};
+
+extern "C" void on_stop_signal(int sig) {
+  const unsigned char byte = static_cast<unsigned char>(sig);
+  [[maybe_unused]] ssize_t n = write(g_signal_pipe[1], &byte, 1);
+}
+
+void install_stop_signal_handlers() {
+  if (pipe(g_signal_pipe) != 0) throw std::runtime_error("cannot create the signal pipe");
+  struct sigaction action {};
+  action.sa_handler = on_stop_signal;
+  sigemptyset(&action.sa_mask);
+  action.sa_flags = SA_RESTART;
+  // Also takes SIGINT back from SIG_IGN (a shell's background jobs start with it ignored).
+  sigaction(SIGINT, &action, nullptr);
+  sigaction(SIGTERM, &action, nullptr);
+}
+
+int wait_for_stop_signal() {
+  unsigned char byte = 0;
+  while (read(g_signal_pipe[0], &byte, 1) != 1) {
+  }
+  return byte;
+}
+
+}  // namespace
+
 int main(int argc, char** argv) {
-  // Every thread inherits this mask; the main thread takes the signals with sigwait().
-  // A shell starts background jobs with SIGINT ignored; an ignored signal never reaches
-  // sigwait(), so take both back to their default first (they stay blocked).
-  signal(SIGINT, SIG_DFL);
-  signal(SIGTERM, SIG_DFL);
-  sigset_t stop_signals;
-  sigemptyset(&stop_signals);
-  sigaddset(&stop_signals, SIGINT);
-  sigaddset(&stop_signals, SIGTERM);
-  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+  install_stop_signal_handlers();
 
   m3::CommandLine cmd;
   try {
@@ -38,8 +62,7 @@ int main(int argc, char** argv) {
 
   try {
     m3::ServerApp app(cmd.config);
-    int received = 0;
-    sigwait(&stop_signals, &received);
+    const int received = wait_for_stop_signal();
     spdlog::info("received {}: shutting down (grace {:.1f}s)", received == SIGTERM ? "SIGTERM" : "SIGINT",
                  cmd.config.shutdown_grace_s);
     app.shutdown(std::chrono::duration<double>(cmd.config.shutdown_grace_s));
