@@ -46,12 +46,13 @@ __device__ __forceinline__ float warp_sum(float v) {
 // Sums each of N values (N a power of two <= 32) over the warp in N - 1 + 5 - log2(N)
 // shuffles instead of 5 N: halves of the array are exchanged (a transposed butterfly).
 // Afterwards lane L holds the total of value L % N in v[0].
-template <int N>
-__device__ __forceinline__ float warp_sum_many(float (&v)[N]) {
-  static_assert(N >= 1 && N <= 32 && (N & (N - 1)) == 0, "N must be a power of two <= 32");
-  const int lane = threadIdx.x & 31;
-#pragma unroll
-  for (int n = N / 2; n >= 1; n >>= 1) {
+namespace detail {
+// One exchange stage of warp_sum_many (distance n), then the next; recursion rather than
+// a halving loop so that every index is a compile-time constant at any N (a loop left
+// the 32-wide array in local memory).
+template <int N, int n>
+__device__ __forceinline__ void warp_sum_many_stage(float (&v)[N], int lane) {
+  if constexpr (n >= 1) {
     const bool upper = lane & n;
 #pragma unroll
     for (int j = 0; j < n; ++j) {
@@ -59,7 +60,16 @@ __device__ __forceinline__ float warp_sum_many(float (&v)[N]) {
       const float keep = upper ? v[j + n] : v[j];
       v[j] = keep + __shfl_xor_sync(0xffffffffu, send, n);
     }
+    warp_sum_many_stage<N, n / 2>(v, lane);
   }
+}
+}  // namespace detail
+
+template <int N>
+__device__ __forceinline__ float warp_sum_many(float (&v)[N]) {
+  static_assert(N >= 1 && N <= 32 && (N & (N - 1)) == 0, "N must be a power of two <= 32");
+  const int lane = threadIdx.x & 31;
+  detail::warp_sum_many_stage<N, N / 2>(v, lane);
   float t = v[0];
 #pragma unroll
   for (int o = 16; o >= N; o >>= 1) t += __shfl_xor_sync(0xffffffffu, t, o);

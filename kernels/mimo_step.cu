@@ -223,8 +223,8 @@ __global__ void __launch_bounds__(kThreads, 2) mimo_step_kernel(const MimoParams
   }
   for (int idx = tid; idx < R * pc; idx += kThreads) {
     const int i = idx % pc;
-    xv[idx] = xcur[i] * mx[idx];
-    xs[idx] = xold[i] * mx[idx];
+    xv[idx] = gamma * (xcur[i] * mx[idx]);  // scaled once, not per lane
+    xs[idx] = beta * (xold[i] * mx[idx]);
   }
   for (int i = tid; i < pc; i += kThreads) xprev[p0 + i] = xcur[i];
   __syncthreads();
@@ -258,8 +258,8 @@ __global__ void __launch_bounds__(kThreads, 2) mimo_step_kernel(const MimoParams
         float gx[R], bx[R];
 #pragma unroll
         for (int r = 0; r < R; ++r) {
-          gx[r] = gamma * xv[r * pc + pl];
-          bx[r] = beta * xs[r * pc + pl];
+          gx[r] = xv[r * pc + pl];
+          bx[r] = xs[r * pc + pl];
         }
         float s4[4] = {sv[u][v].x, sv[u][v].y, sv[u][v].z, sv[u][v].w};
 #pragma unroll
@@ -277,11 +277,11 @@ __global__ void __launch_bounds__(kThreads, 2) mimo_step_kernel(const MimoParams
         reinterpret_cast<float4*>(ssm + (int64_t)(p0 + pl) * N)[n4] = make_float4(s4[0], s4[1], s4[2], s4[3]);
       }
     }
-    // The sums of up to 16 (row, rank) pairs at once (transposed butterfly); lane L ends
-    // with pair L of the set.
-    // (Only where all of a warp's sums fit one set: split sets pushed the whole-head
-    // variant's arrays to local memory.)
-    constexpr int kRowsPerSet = kRowsPerWarp * R <= 16 ? kRowsPerWarp : 0;
+    // The sums of up to 32 (row, rank) pairs at once (transposed butterfly, 31 shuffles
+    // for the whole-head variant's 8 rows x rank 4 instead of 160); lane L ends with pair
+    // L of the set. (Only where all of a warp's sums fit one set: split sets pushed the
+    // arrays to local memory.)
+    constexpr int kRowsPerSet = kRowsPerWarp * R <= 32 ? kRowsPerWarp : 0;
     if constexpr (kRowsPerSet >= 1) {
 #pragma unroll
       for (int u0 = 0; u0 < kRowsPerWarp; u0 += kRowsPerSet) {
@@ -294,7 +294,7 @@ __global__ void __launch_bounds__(kThreads, 2) mimo_step_kernel(const MimoParams
         if (lane < kRowsPerSet * R) {
           const int u = u0 + lane / R, r = lane % R;
           const int pl = g0 + warp * kRowsPerWarp + u;
-          if (pl < pc) y[r * pc + pl] = t + Dh * xv[r * pc + pl];
+          if (pl < pc) y[r * pc + pl] = t + Dh * (xcur[pl] * mx[r * pc + pl]);
         }
       }
     } else {
@@ -304,7 +304,7 @@ __global__ void __launch_bounds__(kThreads, 2) mimo_step_kernel(const MimoParams
         for (int r = 0; r < R; ++r) {
           const float t = warp_sum(yacc[u][r]);
           const int pl = g0 + warp * kRowsPerWarp + u;
-          if (lane == 0 && pl < pc) y[r * pc + pl] = t + Dh * xv[r * pc + pl];
+          if (lane == 0 && pl < pc) y[r * pc + pl] = t + Dh * (xcur[pl] * mx[r * pc + pl]);
         }
       }
     }
@@ -393,13 +393,28 @@ int small_chunk() {
   return value;
 }
 
-// Small batches split a head's rows finely so the GPU fills; larger ones give each block
-// more rows to amortise its prologue.
+// Smallest batch whose blocks take a whole 64-row head (8 rows per warp): fewer blocks,
+// each head's prologue (B/C norm, rotary) done once. Measured (s2s-14l step): batch 4
+// 263 us against 326 us with 16-row blocks, batch 8 339 against 388 with 32-row blocks;
+// batch 1 and 2 stay on 16-row blocks with out_proj fused (whole heads unfused: 214 us
+// against 195 at batch 1). M3_MIMO_WHOLE_HEAD_MIN_BATCH=<n> moves it (A/B measurements);
+// out_proj is never fused at whole-head batches.
+int whole_head_min_batch() {
+  static const int value = [] {
+    const char* env = std::getenv("M3_MIMO_WHOLE_HEAD_MIN_BATCH");
+    const int v = env != nullptr ? std::atoi(env) : 0;
+    return v >= 1 ? v : 4;
+  }();
+  return value;
+}
+
+// Batches 1 and 2 split a head's rows finely (out_proj fused); larger ones give each
+// block a whole head to amortise its prologue.
 template <int R>
 KernelLaunch plan_nv(const MimoStepArgs& a) {
   const bool split = a.out_norm == nullptr;
   if (a.d_state <= 128) {
-    if (split && a.batch >= 16 && a.headdim % 64 == 0) return plan_rank<R, 1, 8>(a, 64);
+    if (split && a.batch >= whole_head_min_batch() && a.headdim % 64 == 0) return plan_rank<R, 1, 8>(a, 64);
     if (split && a.batch >= 8 && a.headdim % 32 == 0) return plan_rank<R, 1, 4>(a, 32);
     if (split && small_chunk() == 8 && a.headdim % 8 == 0) return plan_rank<R, 1, 1>(a, 8);
     return plan_rank<R, 1, 2>(a, split && a.headdim % 16 == 0 ? 16 : a.headdim);
@@ -424,6 +439,7 @@ namespace {
 // The rows per block plan_nv picks for the fused (small-batch) case.
 int fused_p_chunk(const MimoStepArgs& a) {
   if (a.out_norm != nullptr || a.batch >= 8 || a.d_state > 128 || a.headdim % 16 != 0) return 0;
+  if (a.headdim % 64 == 0 && a.batch >= whole_head_min_batch()) return 0;  // plan_nv: whole heads
   return small_chunk();
 }
 }  // namespace

@@ -261,9 +261,18 @@ TEST(MimoStepKernel, MatchesTwinOverTwoSteps) {
 
 TEST(MimoStepKernel, MatchesTwinAtBatchSizesThatPickOtherTilings) {
   M3_REQUIRE_CUDA_DEVICE();
-  run_dims({3, 64, 128, 4, 32, false, true}, 500, 8);   // 32 rows per block
-  run_dims({2, 64, 128, 4, 32, false, true}, 600, 17);  // a whole head per block
+  run_dims({3, 64, 128, 4, 32, false, true}, 500, 4);   // a whole head per block (batch >= 4)
+  run_dims({3, 64, 128, 4, 32, false, true}, 550, 8);
+  run_dims({2, 64, 128, 4, 32, false, true}, 600, 17);
   run_dims({2, 64, 96, 4, 12, true, true}, 700, 9);     // grouped norm at a large batch
+}
+
+// Large batches: many blocks per head shape, slots far apart in the state buffer.
+TEST(MimoStepKernel, MatchesTwinAtLargeBatches) {
+  M3_REQUIRE_CUDA_DEVICE();
+  run_dims({3, 48, 36, 4, 9, true, true}, 1000, 149);     // grouped norm, rows < 64
+  run_dims({3, 64, 128, 2, 32, false, true}, 1100, 101);  // rank 2
+  run_dims({2, 64, 128, 4, 32, false, true}, 1200, 150);  // the s2s-14l head shape
 }
 
 TEST(MimoStepKernel, FusedOutProjAddsIntoTheResidual) {
