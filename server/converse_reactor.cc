@@ -159,14 +159,7 @@ void ConverseReactor::flush() {
         return;
       case TokenOutbox::Item::kTokens: {
         if (write_failed_) continue;
-        v1::Tokens* t = response_.mutable_tokens();
-        t->mutable_ids()->Clear();
-        t->mutable_ids()->Add(tokens_.begin(), tokens_.end());
-        if (detokenizer_) {
-          text_.clear();
-          for (int32_t id : tokens_) detokenizer_->append(id, &text_);
-          t->set_text(text_);
-        }
+        fill_tokens(tokens_, detokenizer_.get(), &text_, response_.mutable_tokens());
         StartWrite(&response_);
         return;
       }

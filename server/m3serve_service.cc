@@ -1,5 +1,6 @@
 #include "server/m3serve_service.h"
 
+#include "model/tokenizer.h"
 #include "server/converse_reactor.h"
 #include "server/generate_reactor.h"
 #include "server/metrics.h"
@@ -35,6 +36,16 @@ void fill_timings(const TurnStats& s, v1::Timings* out) {
   out->set_time_to_first_token_ms(s.time_to_first_token_ms);
   out->set_duration_ms(s.duration_ms);
   out->set_tokens_per_second(s.tokens_per_second);
+}
+
+void fill_tokens(const std::vector<int32_t>& ids, StreamDetokenizer* detokenizer,
+                 std::string* text, v1::Tokens* out) {
+  out->mutable_ids()->Clear();
+  out->mutable_ids()->Add(ids.begin(), ids.end());
+  if (detokenizer == nullptr) return;
+  text->clear();
+  for (int32_t id : ids) detokenizer->append(id, text);
+  out->set_text(*text);
 }
 
 Clock::time_point steady_deadline(std::chrono::system_clock::time_point deadline) {

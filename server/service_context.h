@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "m3serve.pb.h"
 #include "server/request_log.h"
@@ -17,6 +18,7 @@
 namespace m3 {
 
 class ServerMetrics;
+class StreamDetokenizer;
 class Tokenizer;
 
 struct ServiceContext {
@@ -35,6 +37,10 @@ struct ServiceContext {
 grpc::Status to_grpc_status(StreamStatus status, const std::string& message);
 v1::FinishReason to_proto(FinishReason reason);
 void fill_timings(const TurnStats& stats, v1::Timings* out);
+// The ids of one outgoing Tokens message, with their text when a detokenizer is given
+// (`text` is the caller's reused scratch string).
+void fill_tokens(const std::vector<int32_t>& ids, StreamDetokenizer* detokenizer,
+                 std::string* text, v1::Tokens* out);
 // gRPC deadlines are wall-clock; the scheduler compares steady-clock times.
 Clock::time_point steady_deadline(std::chrono::system_clock::time_point deadline);
 // The call ended under the stream (client cancel, deadline, broken connection): ends
