@@ -145,6 +145,26 @@ void CudaEngine::build_plans() {
   for (int batch : bucket_sizes_) {
     DecodeGraph g;
     g.batch = batch;
+    // Every projection of the step: y (+)= W . x, x RMS-normalised first when `norm` is
+    // given; x rows are `cols` wide and y rows `out_rows` wide.
+    auto plan_projection = [&](const char* name, const void* weight, int out_rows, int cols,
+                               const float* x, const float* norm, float* y,
+                               kernels::GemvEpilogue epilogue) {
+      kernels::GemvArgs a;
+      a.weight = weight;
+      a.type = weights_.type;
+      a.out_rows = out_rows;
+      a.cols = cols;
+      a.x = x;
+      a.x_stride = cols;
+      a.norm_weight = norm;
+      a.norm_eps = ModelConfig::kNormEps;
+      a.y = y;
+      a.y_stride = out_rows;
+      a.batch = batch;
+      a.epilogue = epilogue;
+      return kernels::plan_gemv(a).named(name);
+    };
     const size_t msize = weights_.type == kernels::WeightType::BF16 ? 2 : 4;
     const kernels::L2Prefetch in_proj_bytes0{weights_.layers[0].in_proj, msize * c.in_proj_rows() * c.d_model};
     kernels::EmbeddingArgs emb{weights_.embedding, weights_.type, c.padded_vocab(), c.d_model, slots,
@@ -153,20 +173,9 @@ void CudaEngine::build_plans() {
     g.launches.push_back(kernels::plan_embedding(emb));
     for (int i = 0; i < c.n_layer; ++i) {
       const DeviceLayer& lw = weights_.layers[i];
-      kernels::GemvArgs in;
-      in.weight = lw.in_proj;
-      in.type = weights_.type;
-      in.out_rows = c.in_proj_rows();
-      in.cols = c.d_model;
-      in.x = res_.as<float>();
-      in.x_stride = c.d_model;
-      in.norm_weight = lw.norm;
-      in.norm_eps = ModelConfig::kNormEps;
-      in.y = w_.as<float>();
-      in.y_stride = c.in_proj_rows();
-      in.batch = batch;
-      in.epilogue = kernels::GemvEpilogue::Store;
-      g.launches.push_back(kernels::plan_gemv(in).named("in_proj"));
+      g.launches.push_back(plan_projection("in_proj", lw.in_proj, c.in_proj_rows(), c.d_model,
+                                           res_.as<float>(), lw.norm, w_.as<float>(),
+                                           kernels::GemvEpilogue::Store));
 
       kernels::MimoStepArgs m;
       m.heads = c.n_heads();
@@ -217,63 +226,24 @@ void CudaEngine::build_plans() {
       }
       g.launches.push_back(kernels::plan_mimo_step(m));
 
-      kernels::GemvArgs out;
-      out.weight = lw.out_proj;
-      out.type = weights_.type;
-      out.out_rows = c.d_model;
-      out.cols = c.d_inner();
-      out.x = o_.as<float>();
-      out.x_stride = c.d_inner();
-      out.y = res_.as<float>();
-      out.y_stride = c.d_model;
-      out.batch = batch;
-      out.epilogue = kernels::GemvEpilogue::Accumulate;
-      if (!out_proj_fused) g.launches.push_back(kernels::plan_gemv(out).named("out_proj"));
+      if (!out_proj_fused) {
+        g.launches.push_back(plan_projection("out_proj", lw.out_proj, c.d_model, c.d_inner(),
+                                             o_.as<float>(), nullptr, res_.as<float>(),
+                                             kernels::GemvEpilogue::Accumulate));
+      }
 
       if (c.has_mlp()) {
-        kernels::GemvArgs fc1;
-        fc1.weight = lw.fc1;
-        fc1.type = weights_.type;
-        fc1.out_rows = c.mlp_width();
-        fc1.cols = c.d_model;
-        fc1.x = res_.as<float>();
-        fc1.x_stride = c.d_model;
-        fc1.norm_weight = lw.norm2;
-        fc1.norm_eps = ModelConfig::kNormEps;
-        fc1.y = act_.as<float>();
-        fc1.y_stride = c.mlp_width();
-        fc1.batch = batch;
-        fc1.epilogue = kernels::GemvEpilogue::GatedSilu;
-        g.launches.push_back(kernels::plan_gemv(fc1).named("fc1"));
-
-        kernels::GemvArgs fc2;
-        fc2.weight = lw.fc2;
-        fc2.type = weights_.type;
-        fc2.out_rows = c.d_model;
-        fc2.cols = c.mlp_width();
-        fc2.x = act_.as<float>();
-        fc2.x_stride = c.mlp_width();
-        fc2.y = res_.as<float>();
-        fc2.y_stride = c.d_model;
-        fc2.batch = batch;
-        fc2.epilogue = kernels::GemvEpilogue::Accumulate;
-        g.launches.push_back(kernels::plan_gemv(fc2).named("fc2"));
+        g.launches.push_back(plan_projection("fc1", lw.fc1, c.mlp_width(), c.d_model,
+                                             res_.as<float>(), lw.norm2, act_.as<float>(),
+                                             kernels::GemvEpilogue::GatedSilu));
+        g.launches.push_back(plan_projection("fc2", lw.fc2, c.d_model, c.mlp_width(),
+                                             act_.as<float>(), nullptr, res_.as<float>(),
+                                             kernels::GemvEpilogue::Accumulate));
       }
     }
-    kernels::GemvArgs head;
-    head.weight = weights_.lm_head;
-    head.type = weights_.type;
-    head.out_rows = c.padded_vocab();
-    head.cols = c.d_model;
-    head.x = res_.as<float>();
-    head.x_stride = c.d_model;
-    head.norm_weight = weights_.norm_f;
-    head.norm_eps = ModelConfig::kNormEps;
-    head.y = logits_.as<float>();
-    head.y_stride = c.padded_vocab();
-    head.batch = batch;
-    head.epilogue = kernels::GemvEpilogue::Store;
-    g.launches.push_back(kernels::plan_gemv(head).named("lm_head"));
+    g.launches.push_back(plan_projection("lm_head", weights_.lm_head, c.padded_vocab(), c.d_model,
+                                         res_.as<float>(), weights_.norm_f, logits_.as<float>(),
+                                         kernels::GemvEpilogue::Store));
 
     kernels::SamplingArgs s;
     s.logits = logits_.as<float>();
