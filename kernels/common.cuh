@@ -125,15 +125,28 @@ __device__ __forceinline__ void allow_next_kernel() {
 #endif
 }
 
-// Spreads the 128-byte lines of `r` over all threads of the grid; non-blocking.
+// Pulls `r` into L2 without waiting for it. From sm_90 one thread per block asks the copy
+// engine for the block's share in one bulk prefetch (a per-line prefetch loop put
+// thousands of instructions in front of the kernel's own loads: +10% at batch 1);
+// older chips spread 128-byte line prefetches over all threads.
 __device__ __forceinline__ void prefetch_l2(const L2Prefetch& r) {
   if (r.ptr == nullptr) return;
-  const uint64_t threads = (uint64_t)gridDim.x * gridDim.y * gridDim.z * blockDim.x;
+  const uint64_t blocks = (uint64_t)gridDim.x * gridDim.y * gridDim.z;
   const uint64_t block = ((uint64_t)blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
   const char* base = static_cast<const char*>(r.ptr);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (threadIdx.x != 0) return;
+  const uint64_t share = ((r.bytes + blocks - 1) / blocks + 15) & ~uint64_t{15};
+  const uint64_t off = block * share;
+  if (off >= r.bytes) return;
+  const uint32_t size = static_cast<uint32_t>(min(share, r.bytes - off)) & ~15u;
+  if (size > 0) asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(base + off), "r"(size) : "memory");
+#else
+  const uint64_t threads = blocks * blockDim.x;
   for (uint64_t off = (block * blockDim.x + threadIdx.x) * 128; off < r.bytes; off += threads * 128) {
     asm volatile("prefetch.global.L2 [%0];" ::"l"(base + off));
   }
+#endif
 }
 
 __device__ __forceinline__ float silu(float v) { return v / (1.0f + expf(-v)); }

@@ -468,6 +468,7 @@ KernelLaunch plan_mimo_step(const MimoStepArgs& a) {
   if (a.out_proj != nullptr && !mimo_step_can_fuse_out_proj(a)) {
     throw std::invalid_argument(what + ": out_proj cannot be fused at batch " + std::to_string(a.batch));
   }
+  if (a.tensor_cores && mimo_step_tc_applies(a)) return plan_mimo_step_tc(a);
   // A head's rows split over blocks unless the grouped output norm needs the whole head.
   switch (a.rank) {
     case 1: return plan_nv<1>(a);

@@ -33,6 +33,9 @@ struct MimoStepArgs {
   int heads = 0, headdim = 0, d_state = 0, rank = 0, n_angles = 0;  // H, P, N, R, S
   bool mimo_rotation = true;  // rotate halves (i, i+N/2); false: adjacent pairs (SISO)
   float a_floor = 1e-4f;
+  // State update and y projection on tensor cores (tf32 operands, fp32 accumulation and
+  // state; mimo_step_tc.cu), where mimo_step_tc_applies: for bf16-weight engines.
+  bool tensor_cores = false;
   float norm_eps = 1e-5f;
   // in_proj output [batch, w_stride] and the offsets of its split.
   const float* w = nullptr;
@@ -75,5 +78,11 @@ struct MimoStepArgs {
 bool mimo_step_can_fuse_out_proj(const MimoStepArgs& args);
 
 KernelLaunch plan_mimo_step(const MimoStepArgs& args);
+
+// The tensor-core variant (picked by plan_mimo_step when args.tensor_cores is set and it
+// applies): rank 1, 2 or 4, headdim a multiple of 16 up to 64, d_state a multiple of 16
+// up to 128, out_proj not fused.
+bool mimo_step_tc_applies(const MimoStepArgs& args);
+KernelLaunch plan_mimo_step_tc(const MimoStepArgs& args);
 
 }  // namespace m3::kernels

@@ -69,6 +69,9 @@ CudaEngine::CudaEngine(const ModelWeights& weights, const EngineOptions& options
   if (const char* env = std::getenv("M3_CUDA_L2_PREFETCH"); env != nullptr) {
     l2_prefetch_ = std::string(env) == "1";
   }
+  if (const char* env = std::getenv("M3_MIMO_TC_MIN_BATCH"); env != nullptr) {
+    mimo_tc_min_batch_ = std::atoi(env);  // 0 or less: never
+  }
   M3_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
 
   const ModelConfig& c = config_;
@@ -213,9 +216,13 @@ void CudaEngine::build_plans() {
       } else {
         m.prefetch[1] = {weights_.lm_head, msize * c.padded_vocab() * c.d_model};
       }
+      // The recurrence on tensor cores (tf32 operands) only where the weights are bf16:
+      // fp32 engines keep fp32 arithmetic throughout.
+      m.tensor_cores = weights_.type == kernels::WeightType::BF16 && mimo_tc_min_batch_ > 0 &&
+                       batch >= mimo_tc_min_batch_ && kernels::mimo_step_tc_applies(m);
       bool out_proj_fused = false;
       // Measured: a gain at batch 1 and 2, a loss from batch 4 on (the atomics grow with it).
-      if (fuse_out_proj_ && batch <= 2) {
+      if (fuse_out_proj_ && batch <= 2 && !m.tensor_cores) {
         m.out_proj = lw.out_proj;
         m.out_proj_type = weights_.type;
         m.residual = res_.as<float>();

@@ -36,6 +36,12 @@ if [[ $MODE == all || $MODE == check ]]; then
       rc=$?
       summary+=("m3check cuda $c $d: exit $rc: $(tail -2 "$OUT/m3check_${c}_$d.log" | tr '\n' ' ')")
     done
+    # m3check decodes two sequences (batch 2), below where the tensor-core recurrence
+    # starts by default: force it there too.
+    M3_MIMO_TC_MIN_BATCH=1 "$BIN/m3check" "$GOLDEN/$c" "$GOLDEN/$c/trajectory.safetensors" --backend cuda \
+        --dtype bf16 >"$OUT/m3check_${c}_bf16_tc.log" 2>&1
+    rc=$?
+    summary+=("m3check cuda $c bf16 (tensor-core recurrence): exit $rc: $(tail -2 "$OUT/m3check_${c}_bf16_tc.log" | tr '\n' ' ')")
   done
 fi
 

@@ -117,8 +117,9 @@ void twin_step(const Dims& d, const kernels::MimoStateLayout& L, const Params& p
   }
 }
 
+// tensor_cores: the tf32 variant (mimo_step_tc.cu), held to 5e-3 instead of 1e-5.
 void run_dims(const Dims& d, uint32_t seed, int batch = 3, int fuse_d_model = 0,
-              kernels::WeightType fuse_type = kernels::WeightType::BF16) {
+              kernels::WeightType fuse_type = kernels::WeightType::BF16, bool tensor_cores = false) {
   SCOPED_TRACE("H " + std::to_string(d.H) + " P " + std::to_string(d.P) + " N " + std::to_string(d.N) +
                " R " + std::to_string(d.R) + " S " + std::to_string(d.S));
   const int H = d.H, P = d.P, N = d.N, R = d.R, S = d.S;
@@ -165,6 +166,7 @@ void run_dims(const Dims& d, uint32_t seed, int batch = 3, int fuse_d_model = 0,
   std::vector<float> residual = testing::random_floats(static_cast<size_t>(batch) * res_stride, seed + 31);
   DeviceArray<float> dres(residual);
 
+  const double tol = tensor_cores ? 5e-3 : 1e-5;
   std::vector<std::vector<double>> twin_state(n_slots);
   for (int s = 0; s < n_slots; ++s)
     twin_state[s].assign(state.begin() + s * slot_stride + layer_offset,
@@ -200,7 +202,10 @@ void run_dims(const Dims& d, uint32_t seed, int batch = 3, int fuse_d_model = 0,
       ASSERT_TRUE(kernels::mimo_step_can_fuse_out_proj(a));
       dres.upload(residual);
     }
-    kernels::plan_mimo_step(a).launch(nullptr, false);
+    a.tensor_cores = tensor_cores;
+    const kernels::KernelLaunch plan = kernels::plan_mimo_step(a);
+    ASSERT_EQ(plan.name(), tensor_cores ? "mimo_step_tc" : "mimo_step");
+    plan.launch(nullptr, false);
     M3_CUDA_CHECK(cudaDeviceSynchronize());
 
     const std::vector<float> out = dout.download();
@@ -223,7 +228,7 @@ void run_dims(const Dims& d, uint32_t seed, int batch = 3, int fuse_d_model = 0,
         EXPECT_EQ(res_got[b * res_stride + fuse_d_model], residual[b * res_stride + fuse_d_model]);
       } else {
         std::vector<float> got(out.begin() + b * (d_inner + 2), out.begin() + b * (d_inner + 2) + d_inner);
-        EXPECT_LT(testing::max_rel_err(got, o), 1e-5) << "step " << step << " entry " << b;
+        EXPECT_LT(testing::max_rel_err(got, o), tol) << "step " << step << " entry " << b;
       }
     }
     const std::vector<float> st = dstate.download();
@@ -241,7 +246,7 @@ void run_dims(const Dims& d, uint32_t seed, int batch = 3, int fuse_d_model = 0,
       take(L.x_prev, H * P);
       take(L.angle + (1 - par) * H * S, H * S);
       take(L.k_prev + (1 - par) * H * R * N, H * R * N);
-      EXPECT_LT(testing::max_rel_err(g2, r2), 1e-5) << "state of slot " << s << " after step " << step;
+      EXPECT_LT(testing::max_rel_err(g2, r2), tol) << "state of slot " << s << " after step " << step;
     }
     // The engine advances each stepped slot's count; do it here.
     for (int32_t s : slots) ++counters[s];
@@ -279,6 +284,37 @@ TEST(MimoStepKernel, FusedOutProjAddsIntoTheResidual) {
   M3_REQUIRE_CUDA_DEVICE();
   run_dims({3, 48, 36, 4, 9, false, true}, 800, 3, 101, kernels::WeightType::BF16);
   run_dims({2, 32, 28, 2, 7, false, true}, 900, 5, 64, kernels::WeightType::F32);
+}
+
+// The tensor-core variant: both column splits (N / 16 even or odd), ranks 1 to 4 (the
+// update's 8 inner slots zero-padded), the grouped norm, adjacent-pair rotation, and a
+// large batch of the s2s-14l head shape.
+TEST(MimoStepKernel, TensorCoreVariantMatchesTwin) {
+  M3_REQUIRE_CUDA_DEVICE();
+  const auto bf16 = kernels::WeightType::BF16;
+  run_dims({3, 64, 128, 4, 32, false, true}, 1300, 5, 0, bf16, true);
+  run_dims({2, 32, 32, 4, 8, false, true}, 1400, 3, 0, bf16, true);   // the tiny golden shape
+  run_dims({2, 48, 48, 2, 12, true, true}, 1500, 4, 0, bf16, true);   // grouped norm, 3 groups
+  run_dims({3, 16, 16, 1, 4, false, false}, 1600, 2, 0, bf16, true);  // SISO pairs, one warp
+  run_dims({2, 64, 128, 4, 32, true, true}, 1700, 7, 0, bf16, true);  // small_norm_mlp's shape
+  run_dims({2, 64, 128, 4, 32, false, true}, 1800, 150, 0, bf16, true);
+}
+
+TEST(MimoStepKernel, TensorCoreVariantRefusesWhatItCannotDo) {
+  M3_REQUIRE_CUDA_DEVICE();
+  kernels::MimoStepArgs a;
+  a.heads = 2; a.headdim = 64; a.d_state = 128; a.rank = 8; a.n_angles = 32; a.batch = 1;
+  EXPECT_FALSE(kernels::mimo_step_tc_applies(a));  // rank 8 needs 16 inner slots
+  a.rank = 4;
+  EXPECT_TRUE(kernels::mimo_step_tc_applies(a));
+  a.headdim = 40;
+  EXPECT_FALSE(kernels::mimo_step_tc_applies(a));
+  try {
+    kernels::plan_mimo_step_tc(a);
+    FAIL() << "expected an error";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("headdim a multiple of 16"), std::string::npos) << e.what();
+  }
 }
 
 TEST(MimoStepKernel, RejectsUnsupportedRank) {

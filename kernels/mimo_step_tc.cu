@@ -1,0 +1,417 @@
+// The MIMO step (same contract as mimo_step.cu) with the state update and the y
+// projection on tensor cores, for engines whose weights are bf16.
+//
+// Why: the CUDA-core kernel issues about 13 dependent fp32 FMAs per state element (the
+// rank-2R update and the R output sums) plus the address and reduction work around them;
+// Nsight Compute showed it bound by its instruction stream (31% of DRAM bandwidth at
+// batch 64). Per head both products are small matrix products:
+//   ssm' = alpha * ssm + [gamma*xv | beta*xs] (P x 2R)  .  [k ; k_prev] (2R x N)
+//   y    = ssm' (P x N)  .  q^T (N x R)
+// With R = 4 the update's inner dimension is exactly the 8 of mma.m16n8k8 (tf32), so one
+// mma replaces 16 x 8 x 8 FMAs, and the updated state goes from the update's accumulator
+// registers straight into the y product's A fragment: a dot product does not care in which
+// order its terms come, so each lane's two accumulator columns are fed to the two k slots
+// it owns, with q read in the same order.
+//
+// Precision: operands are rounded to tf32 (10-bit mantissa, relative error <= 2^-11; the
+// updated state enters y truncated, <= 2^-10); products are exact and accumulate in fp32,
+// and the state itself stays fp32 (alpha * ssm is an fp32 multiply). That is finer than
+// the bf16 weights feeding these values (2^-9), which is why only bf16-weight engines use
+// this kernel; fp32 engines keep the CUDA-core kernel.
+//
+// Layout: one block per (head, batch entry); warp w takes 16 state rows (row tile w % RT)
+// and a 1/CS share of the N columns. Each lane keeps, per 16-column group m, columns
+// 16m + 4t .. 16m + 4t + 3 of rows g and g + 8 (g = lane / 4, t = lane % 4): two 16-byte
+// loads, the row-major [P][N] state layout of MimoStateLayout unchanged.
+#include <cstdlib>
+#include <stdexcept>
+#include <string>
+
+#include "kernels/common.cuh"
+#include "kernels/mimo_step.cuh"
+
+namespace m3::kernels {
+namespace {
+
+struct TcParams {
+  MimoStepArgs a;
+  MimoStateLayout layout;
+};
+
+__device__ __forceinline__ float softplus(float v) { return v > 20.f ? v : log1pf(expf(v)); }
+
+__device__ __forceinline__ uint32_t to_tf32(float v) {
+  uint32_t r;
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(v));
+  return r;
+}
+
+// d += A (16x8, tf32) . B (8x8, tf32), fp32 accumulate.
+__device__ __forceinline__ void mma_tf32(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// Shared-memory plan, in floats (every part a multiple of 4, so float4 parts stay aligned).
+struct TcSmem {
+  int kf, qf, braw, craw, ys, scale, red, mx, mz, mo, on, total;
+};
+__host__ __device__ inline TcSmem tc_smem(int R, int N, int P, int CS) {
+  TcSmem s{};
+  int at = 0;
+  s.kf = at; at += 8 * N;       // [N/16][32 lanes][4]: k and k_prev as update B fragments
+  s.qf = at; at += 8 * N;       // [N/16][32 lanes][4]: q as y-product B fragments
+  s.braw = at; at += R * N;     // in_proj B
+  s.craw = at; at += R * N;     // in_proj C
+  s.ys = at; at += CS * R * P;  // y partial sums per column share
+  s.scale = at; at += (2 * R + 3) & ~3;
+  s.red = at; at += 8 * R;      // output-norm partial sums
+  s.mx = at; at += R * P;       // mimo_x, mimo_z, mimo_o of the head
+  s.mz = at; at += R * P;
+  s.mo = at; at += R * P;
+  s.on = at; at += (P + 3) & ~3;  // output-norm weight of the head
+  s.total = at;
+  return s;
+}
+
+// R: rank (1, 2 or 4; the update's 8 inner slots hold R of k and R of k_prev, the rest
+// zero). CS: warps sharing a row tile (each takes N / CS columns). NG: 16-column groups
+// per warp at most (runtime count N / 16 / CS). The block always has 4 * CS warps; with
+// fewer than 64 rows the spare warps only help with the prologue.
+//
+// Every load that does not depend on another is issued before the first use of any of
+// them (one memory round trip before the PDL wait, one after): the per-thread item counts
+// below are compile-time, so the loads sit in registers rather than in a load-store chain.
+template <int R, int CS, int NG>
+__global__ void __launch_bounds__(128 * CS, CS == 2 ? 3 : 4) mimo_step_tc_kernel(const TcParams prm) {
+  constexpr int kT = 128 * CS;
+  constexpr int kKE = (256 + kT - 1) / kT;     // update-fragment entries per thread (2N <= 256)
+  constexpr int kRI = (R * 64 + kT - 1) / kT;  // rotation items (r, pair) per thread
+  constexpr int kEI = (R * 64 + kT - 1) / kT;  // epilogue parameters per array per thread
+  constexpr int kBI = (R * 128 + kT - 1) / kT; // in_proj B (and C) values per thread
+  const MimoStepArgs& a = prm.a;
+  const int H = a.heads, P = a.headdim, N = a.d_state, S = a.n_angles;
+  const int h = blockIdx.x, b = blockIdx.y;
+  const int tid = threadIdx.x;
+  const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int rt = warp & 3, ch = warp >> 2;
+  const bool updater = rt < P / 16;  // this warp owns state rows
+  const int p0 = rt * 16;
+  const int ng = N / 16 / CS;
+  const int m0 = ch * ng;
+  const int RN = R * N, RP = R * P, half = N / 2;
+
+  extern __shared__ float4 smem4[];
+  float* sm = reinterpret_cast<float*>(smem4);
+  const TcSmem L = tc_smem(R, N, P, CS);
+  float *kf = sm + L.kf, *qf = sm + L.qf, *braw = sm + L.braw, *craw = sm + L.craw;
+  float *ys = sm + L.ys, *scale = sm + L.scale, *red = sm + L.red;
+  float *mxs = sm + L.mx, *mzs = sm + L.mz, *mos = sm + L.mo, *ons = sm + L.on;
+
+  // --- independent of the previous kernel: state rows, k_prev, parameters ---
+  const int slot = a.slots[b];
+  const int parity = a.parities[b] & 1;
+  float* st = a.state + slot * a.slot_stride + a.layer_offset;
+  float* ssm = st + prm.layout.ssm + (int64_t)h * P * N;
+  float* xprev = st + prm.layout.x_prev + (int64_t)h * P;
+  const float* angle_old = st + prm.layout.angle + (int64_t)parity * H * S + h * S;
+  float* angle_new = st + prm.layout.angle + (int64_t)(1 - parity) * H * S + h * S;
+  const float* kprev_old = st + prm.layout.k_prev + (int64_t)parity * H * RN + (int64_t)h * RN;
+  float* kprev_new = st + prm.layout.k_prev + (int64_t)(1 - parity) * H * RN + (int64_t)h * RN;
+
+  float4 sv[NG][2];  // rows p0 + g and p0 + g + 8, columns 16m + 4t .. + 3
+  const float* row_g = ssm + (int64_t)(p0 + g) * N + 4 * t;
+  const float* row_g8 = row_g + 8 * N;
+  float xp0 = 0.f, xp1 = 0.f, mxa0 = 0.f, mxa1 = 0.f;  // the A fragment's inputs (rank t)
+  if (updater) {
+#pragma unroll
+    for (int mi = 0; mi < NG; ++mi) {
+      if (mi < ng) {
+        sv[mi][0] = *reinterpret_cast<const float4*>(row_g + 16 * (m0 + mi));
+        sv[mi][1] = *reinterpret_cast<const float4*>(row_g8 + 16 * (m0 + mi));
+      }
+    }
+    xp0 = xprev[p0 + g];
+    xp1 = xprev[p0 + g + 8];
+    if (t < R) {
+      mxa0 = a.mimo_x[((int64_t)h * R + t) * P + p0 + g];
+      mxa1 = a.mimo_x[((int64_t)h * R + t) * P + p0 + g + 8];
+    }
+  }
+  prefetch_l2(a.prefetch[0]);
+  prefetch_l2(a.prefetch[1]);
+  // k_prev for the update's B fragments: entry (m, lane) holds k[t][nA], k_prev[t][nA],
+  // k[t][nA + 2], k_prev[t][nA + 2] with nA = 16m + 4(g/2) + g%2 (k filled in below).
+  float kp[kKE][2];
+#pragma unroll
+  for (int j = 0; j < kKE; ++j) {
+    const int e = tid + j * kT, el = e & 31, eg = el >> 2, et = el & 3;
+    const int nA = 16 * (e >> 5) + 4 * (eg >> 1) + (eg & 1);
+    kp[j][0] = kp[j][1] = 0.f;
+    if (e < 2 * N && et < R) {
+      kp[j][0] = kprev_old[et * N + nA];
+      kp[j][1] = kprev_old[et * N + nA + 2];
+    }
+  }
+  // Rotation items: (r, pair i) for idx = tid + j * kT; their biases, norm weights, angle.
+  float ib[kRI][2], ic[kRI][2], nb[kRI][2], nc[kRI][2], th[kRI];
+#pragma unroll
+  for (int j = 0; j < kRI; ++j) {
+    const int idx = tid + j * kT;
+    if (idx < R * half) {
+      const int r = idx / half, i = idx % half;
+      const int i0 = a.mimo_rotation ? i : 2 * i, i1 = a.mimo_rotation ? i + half : 2 * i + 1;
+      const float* bbias = a.B_bias + ((int64_t)h * R + r) * N;
+      const float* cbias = a.C_bias + ((int64_t)h * R + r) * N;
+      ib[j][0] = bbias[i0]; ib[j][1] = bbias[i1];
+      ic[j][0] = cbias[i0]; ic[j][1] = cbias[i1];
+      nb[j][0] = a.B_norm[i0]; nb[j][1] = a.B_norm[i1];
+      nc[j][0] = a.C_norm[i0]; nc[j][1] = a.C_norm[i1];
+      th[j] = i < S ? angle_old[i] : 0.f;
+    }
+  }
+  // The epilogue's parameters, for shared memory.
+  float emx[kEI], emz[kEI], emo[kEI], eon = 1.f;
+#pragma unroll
+  for (int j = 0; j < kEI; ++j) {
+    const int i = tid + j * kT;
+    if (i < RP) {
+      emx[j] = a.mimo_x[(int64_t)h * RP + i];
+      emz[j] = a.mimo_z[(int64_t)h * RP + i];
+      emo[j] = a.mimo_o[(int64_t)h * RP + i];
+    }
+  }
+  if (a.out_norm != nullptr && tid < P) eon = a.out_norm[h * P + tid];
+  const float dt_bias = a.dt_bias[h], Dh = a.D[h];
+  // Now the stores.
+#pragma unroll
+  for (int j = 0; j < kKE; ++j) {
+    const int e = tid + j * kT;
+    if (e < 2 * N) {
+      reinterpret_cast<float4*>(kf)[e] =
+          make_float4(0.f, __uint_as_float(to_tf32(kp[j][0])), 0.f, __uint_as_float(to_tf32(kp[j][1])));
+      reinterpret_cast<float4*>(qf)[e] = make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < kEI; ++j) {
+    const int i = tid + j * kT;
+    if (i < RP) { mxs[i] = emx[j]; mzs[i] = emz[j]; mos[i] = emo[j]; }
+  }
+  if (tid < P) ons[tid] = eon;
+
+  wait_for_previous_kernel();
+  // Every input from in_proj in one round of loads.
+  const float* w = a.w + (int64_t)b * a.w_stride;
+  const float dt_raw = w[a.off_dt + h], dA = w[a.off_A + h], trap_raw = w[a.off_trap + h];
+  float x0 = 0.f, x1 = 0.f, e_x = 0.f, e_z = 0.f;
+  if (updater) {
+    x0 = w[a.off_x + h * P + p0 + g];
+    x1 = w[a.off_x + h * P + p0 + g + 8];
+  }
+  if (tid < P) {
+    e_x = w[a.off_x + h * P + tid];
+    e_z = w[a.off_z + h * P + tid];
+  }
+  float rb[kBI], rc[kBI], ra[kRI];
+#pragma unroll
+  for (int j = 0; j < kBI; ++j) {
+    const int i = tid + j * kT;
+    if (i < RN) { rb[j] = w[a.off_B + i]; rc[j] = w[a.off_C + i]; }
+  }
+#pragma unroll
+  for (int j = 0; j < kRI; ++j) {
+    const int idx = tid + j * kT, i = idx % half;
+    ra[j] = idx < R * half && i < S ? w[a.off_ang + i] : 0.f;
+  }
+#pragma unroll
+  for (int j = 0; j < kBI; ++j) {
+    const int i = tid + j * kT;
+    if (i < RN) { braw[i] = rb[j]; craw[i] = rc[j]; }
+  }
+  const float dt = softplus(dt_raw + dt_bias);
+  const float A = fminf(-(fmaxf(dA, 0.f) + 1.f / (1.f - fminf(dA, 0.f))), -a.a_floor);
+  const float trap = 1.f / (1.f + expf(-trap_raw));
+  const float alpha = expf(A * dt);
+  const float beta = (1.f - trap) * dt * alpha;
+  const float gamma = trap * dt;
+  // The update's A fragment: [gamma * x * mimo_x | beta * x_prev * mimo_x] at rows g, g+8.
+  const uint32_t fa0 = to_tf32(gamma * (x0 * mxa0)), fa1 = to_tf32(gamma * (x1 * mxa1));
+  const uint32_t fa2 = to_tf32(beta * (xp0 * mxa0)), fa3 = to_tf32(beta * (xp1 * mxa1));
+  __syncthreads();
+
+  // RMSNorm scales of B[r] and C[r], one warp per vector.
+  for (int v = warp; v < 2 * R; v += kT / 32) {
+    const float* src = (v < R ? braw : craw) + (v % R) * N;
+    float ss = 0.f;
+    for (int n = lane; n < N; n += 32) ss += src[n] * src[n];
+    ss = warp_sum(ss);
+    if (lane == 0) scale[v] = rsqrtf(ss / N + a.norm_eps);
+  }
+  __syncthreads();
+
+  // k and q: normalised, weighted, biased, rotated; k also becomes next step's k_prev.
+  constexpr float kPi = 3.14159265358979323846f;
+#pragma unroll
+  for (int j = 0; j < kRI; ++j) {
+    const int idx = tid + j * kT;
+    if (idx >= R * half) continue;
+    const int r = idx / half, i = idx % half;
+    const int i0 = a.mimo_rotation ? i : 2 * i;
+    const int i1 = a.mimo_rotation ? i + half : 2 * i + 1;
+    float k0 = braw[r * N + i0] * scale[r] * nb[j][0] + ib[j][0];
+    float k1 = braw[r * N + i1] * scale[r] * nb[j][1] + ib[j][1];
+    float q0 = craw[r * N + i0] * scale[R + r] * nc[j][0] + ic[j][0];
+    float q1 = craw[r * N + i1] * scale[R + r] * nc[j][1] + ic[j][1];
+    if (i < S) {
+      const float theta = th[j] + tanhf(ra[j]) * dt * kPi;
+      if (r == 0) angle_new[i] = theta;
+      float sn, cs;
+      sincosf(theta, &sn, &cs);
+      const float k0r = k0 * cs - k1 * sn, q0r = q0 * cs - q1 * sn;
+      k1 = k0 * sn + k1 * cs;
+      q1 = q0 * sn + q1 * cs;
+      k0 = k0r;
+      q0 = q0r;
+    }
+    kprev_new[r * N + i0] = k0;
+    kprev_new[r * N + i1] = k1;
+    // Scatter into the fragment layouts: k to entry (n/16, lane (2*(w/4) + w%2)*4 + r),
+    // component 2*((w/2)%2), w = n % 16; q to entry (n/16, lane r*4 + w/4), component w%4.
+    const int ns[2] = {i0, i1};
+    const float kv[2] = {k0, k1}, qv[2] = {q0, q1};
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      const int n = ns[u], m = n >> 4, wn = n & 15;
+      const int kl = ((2 * (wn >> 2) + (wn & 1)) << 2) + r;
+      kf[(m * 32 + kl) * 4 + 2 * ((wn >> 1) & 1)] = __uint_as_float(to_tf32(kv[u]));
+      qf[(m * 32 + r * 4 + (wn >> 2)) * 4 + (wn & 3)] = __uint_as_float(to_tf32(qv[u]));
+    }
+  }
+  __syncthreads();
+
+  // The update and y, 16 columns per step; the new state goes back as it is produced.
+  if (updater) {
+    float yacc[4] = {0.f, 0.f, 0.f, 0.f};
+    float* out_g = ssm + (int64_t)(p0 + g) * N + 4 * t;
+    float* out_g8 = out_g + 8 * N;
+#pragma unroll
+    for (int mi = 0; mi < NG; ++mi) {
+      if (mi < ng) {
+        const int m = m0 + mi;
+        const float4 kv = reinterpret_cast<const float4*>(kf)[m * 32 + lane];
+        const float4 qv = reinterpret_cast<const float4*>(qf)[m * 32 + lane];
+        const float4 s0 = sv[mi][0], s1 = sv[mi][1];
+        float ca[4] = {alpha * s0.x, alpha * s0.y, alpha * s1.x, alpha * s1.y};
+        float cb[4] = {alpha * s0.z, alpha * s0.w, alpha * s1.z, alpha * s1.w};
+        mma_tf32(ca, fa0, fa1, fa2, fa3, __float_as_uint(kv.x), __float_as_uint(kv.y));
+        mma_tf32(cb, fa0, fa1, fa2, fa3, __float_as_uint(kv.z), __float_as_uint(kv.w));
+        // Explicit 16-byte stores: written as plain assignments they came out as four
+        // 4-byte stores (4x the L2 sectors, measured).
+        __stcg(reinterpret_cast<float4*>(out_g + 16 * m), make_float4(ca[0], ca[1], cb[0], cb[1]));
+        __stcg(reinterpret_cast<float4*>(out_g8 + 16 * m), make_float4(ca[2], ca[3], cb[2], cb[3]));
+        mma_tf32(yacc, __float_as_uint(ca[0]), __float_as_uint(ca[2]), __float_as_uint(ca[1]),
+                 __float_as_uint(ca[3]), __float_as_uint(qv.x), __float_as_uint(qv.y));
+        mma_tf32(yacc, __float_as_uint(cb[0]), __float_as_uint(cb[2]), __float_as_uint(cb[1]),
+                 __float_as_uint(cb[3]), __float_as_uint(qv.z), __float_as_uint(qv.w));
+      }
+    }
+    // yacc: rows g, g+8 at ranks 2t, 2t+1 (ranks >= R are padding).
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int r = 2 * t + j;
+      if (r < R) {
+        ys[(ch * R + r) * P + p0 + g] = yacc[j];
+        ys[(ch * R + r) * P + p0 + g + 8] = yacc[2 + j];
+      }
+    }
+  }
+  allow_next_kernel();
+  __syncthreads();
+
+  // Output, thread p < P: D skip, optional grouped norm, gate, mimo_o reduction.
+  float y[R];
+  if (tid < P) {
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      float v = Dh * (e_x * mxs[r * P + tid]);
+#pragma unroll
+      for (int c = 0; c < CS; ++c) v += ys[(c * R + r) * P + tid];
+      y[r] = v;
+    }
+  }
+  if (a.out_norm != nullptr) {  // sums of y^2 over the head's rows: the first P threads
+    if (warp < (P + 31) / 32) {
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const float ss = warp_sum(tid < P ? y[r] * y[r] : 0.f);
+        if (lane == 0) red[warp * R + r] = ss;
+      }
+    }
+    __syncthreads();
+    if (tid < P) {
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        float ss = 0.f;
+        for (int wi = 0; wi < (P + 31) / 32; ++wi) ss += red[wi * R + r];
+        y[r] *= rsqrtf(ss / P + a.norm_eps) * ons[tid];
+      }
+    }
+  }
+  if (tid < P) {
+    float out = 0.f;
+#pragma unroll
+    for (int r = 0; r < R; ++r) out += y[r] * silu(e_z * mzs[r * P + tid]) * mos[r * P + tid];
+    a.o[(int64_t)b * a.o_stride + h * P + tid] = out;
+    xprev[tid] = e_x;  // every read of the old x_prev happened before the first barrier
+  }
+}
+
+template <int R, int CS>
+KernelLaunch plan_cs(const MimoStepArgs& a) {
+  const TcParams prm{a, mimo_state_layout(a.heads, a.headdim, a.d_state, a.rank, a.n_angles)};
+  const TcSmem s = tc_smem(R, a.d_state, a.headdim, CS);
+  const int threads = 128 * CS;
+  return KernelLaunch::make("mimo_step_tc", mimo_step_tc_kernel<R, CS, 8 / CS>, dim3(a.heads, a.batch),
+                            dim3(threads), sizeof(float) * s.total, prm);
+}
+
+// Warps per row tile: 2 (each half the columns) unless M3_MIMO_TC_SPLIT=1 (A/B).
+int column_split() {
+  static const int value = [] {
+    const char* env = std::getenv("M3_MIMO_TC_SPLIT");
+    return env != nullptr && std::string(env) == "1" ? 1 : 2;
+  }();
+  return value;
+}
+
+template <int R>
+KernelLaunch plan_rank_tc(const MimoStepArgs& a) {
+  if (column_split() == 2 && (a.d_state / 16) % 2 == 0) return plan_cs<R, 2>(a);
+  return plan_cs<R, 1>(a);
+}
+
+}  // namespace
+
+bool mimo_step_tc_applies(const MimoStepArgs& a) {
+  const bool rank_ok = a.rank == 1 || a.rank == 2 || a.rank == 4;
+  return rank_ok && a.headdim % 16 == 0 && a.headdim <= 64 && a.d_state % 16 == 0 &&
+         a.d_state <= 128 && 2 * a.n_angles <= a.d_state && a.out_proj == nullptr;
+}
+
+KernelLaunch plan_mimo_step_tc(const MimoStepArgs& a) {
+  if (!mimo_step_tc_applies(a)) {
+    throw std::invalid_argument("mimo_step (tensor cores): needs rank 1, 2 or 4, headdim a multiple of 16 "
+                                "up to 64, d_state a multiple of 16 up to 128, out_proj not fused");
+  }
+  switch (a.rank) {
+    case 1: return plan_rank_tc<1>(a);
+    case 2: return plan_rank_tc<2>(a);
+    default: return plan_rank_tc<4>(a);
+  }
+}
+
+}  // namespace m3::kernels
