@@ -57,7 +57,7 @@ __device__ __forceinline__ void mma_tf32(float (&d)[4], uint32_t a0, uint32_t a1
 
 // Shared-memory plan, in floats (every part a multiple of 4, so float4 parts stay aligned).
 struct TcSmem {
-  int kf, qf, braw, craw, ys, scale, red, mx, mz, mo, on, total;
+  int kf, qf, braw, craw, ys, scale, red, mx, mz, mo, on, sn, cs, total;
 };
 __host__ __device__ inline TcSmem tc_smem(int R, int N, int P, int CS) {
   TcSmem s{};
@@ -73,6 +73,8 @@ __host__ __device__ inline TcSmem tc_smem(int R, int N, int P, int CS) {
   s.mz = at; at += R * P;
   s.mo = at; at += R * P;
   s.on = at; at += (P + 3) & ~3;  // output-norm weight of the head
+  s.sn = at; at += 64;          // sin and cos of the head's new angles
+  s.cs = at; at += 64;
   s.total = at;
   return s;
 }
@@ -86,15 +88,15 @@ __host__ __device__ inline TcSmem tc_smem(int R, int N, int P, int CS) {
 // them (one memory round trip before the PDL wait, one after): the per-thread item counts
 // below are compile-time, so the loads sit in registers rather than in a load-store chain.
 template <int R, int CS, int NG>
-__global__ void __launch_bounds__(128 * CS, CS == 2 ? 3 : 4) mimo_step_tc_kernel(const TcParams prm) {
+__global__ void __launch_bounds__(128 * CS, CS == 1 ? 4 : (CS == 2 ? 3 : 1)) mimo_step_tc_kernel(const TcParams prm) {
   constexpr int kT = 128 * CS;
   constexpr int kKE = (256 + kT - 1) / kT;     // update-fragment entries per thread (2N <= 256)
-  constexpr int kRI = (R * 64 + kT - 1) / kT;  // rotation items (r, pair) per thread
+  // Rotation items: pair i = tid % 64 at ranks tid / 64 + j * (kT / 64), j < kRJ.
+  constexpr int kRJ = (R + kT / 64 - 1) / (kT / 64);
   constexpr int kEI = (R * 64 + kT - 1) / kT;  // epilogue parameters per array per thread
   constexpr int kBI = (R * 128 + kT - 1) / kT; // in_proj B (and C) values per thread
   const MimoStepArgs& a = prm.a;
   const int H = a.heads, P = a.headdim, N = a.d_state, S = a.n_angles;
-  const int h = blockIdx.x, b = blockIdx.y;
   const int tid = threadIdx.x;
   const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int rt = warp & 3, ch = warp >> 2;
@@ -110,9 +112,14 @@ __global__ void __launch_bounds__(128 * CS, CS == 2 ? 3 : 4) mimo_step_tc_kernel
   float *kf = sm + L.kf, *qf = sm + L.qf, *braw = sm + L.braw, *craw = sm + L.craw;
   float *ys = sm + L.ys, *scale = sm + L.scale, *red = sm + L.red;
   float *mxs = sm + L.mx, *mzs = sm + L.mz, *mos = sm + L.mo, *ons = sm + L.on;
+  float *sns = sm + L.sn, *css = sm + L.cs;
+  const int pair = tid & 63;
+  const bool rotates = pair < half;
+  const int pi0 = a.mimo_rotation ? pair : 2 * pair, pi1 = a.mimo_rotation ? pair + half : 2 * pair + 1;
 
-  // --- independent of the previous kernel: state rows, k_prev, parameters ---
+  const int h = blockIdx.x, b = blockIdx.y;
   const int slot = a.slots[b];
+  // --- independent of the previous kernel: state rows, k_prev, parameters ---
   const int parity = a.parities[b] & 1;
   float* st = a.state + slot * a.slot_stride + a.layer_offset;
   float* ssm = st + prm.layout.ssm + (int64_t)h * P * N;
@@ -124,14 +131,13 @@ __global__ void __launch_bounds__(128 * CS, CS == 2 ? 3 : 4) mimo_step_tc_kernel
 
   float4 sv[NG][2];  // rows p0 + g and p0 + g + 8, columns 16m + 4t .. + 3
   const float* row_g = ssm + (int64_t)(p0 + g) * N + 4 * t;
-  const float* row_g8 = row_g + 8 * N;
   float xp0 = 0.f, xp1 = 0.f, mxa0 = 0.f, mxa1 = 0.f;  // the A fragment's inputs (rank t)
   if (updater) {
 #pragma unroll
     for (int mi = 0; mi < NG; ++mi) {
       if (mi < ng) {
         sv[mi][0] = *reinterpret_cast<const float4*>(row_g + 16 * (m0 + mi));
-        sv[mi][1] = *reinterpret_cast<const float4*>(row_g8 + 16 * (m0 + mi));
+        sv[mi][1] = *reinterpret_cast<const float4*>(row_g + 8 * N + 16 * (m0 + mi));
       }
     }
     xp0 = xprev[p0 + g];
@@ -156,23 +162,23 @@ __global__ void __launch_bounds__(128 * CS, CS == 2 ? 3 : 4) mimo_step_tc_kernel
       kp[j][1] = kprev_old[et * N + nA + 2];
     }
   }
-  // Rotation items: (r, pair i) for idx = tid + j * kT; their biases, norm weights, angle.
-  float ib[kRI][2], ic[kRI][2], nb[kRI][2], nc[kRI][2], th[kRI];
+  // Rotation items: biases of this thread's ranks, norm weights of its pair, old angle.
+  float ib[kRJ][2], ic[kRJ][2], nb[2] = {0.f, 0.f}, nc[2] = {0.f, 0.f};
+  if (rotates) {
+    nb[0] = a.B_norm[pi0]; nb[1] = a.B_norm[pi1];
+    nc[0] = a.C_norm[pi0]; nc[1] = a.C_norm[pi1];
+  }
 #pragma unroll
-  for (int j = 0; j < kRI; ++j) {
-    const int idx = tid + j * kT;
-    if (idx < R * half) {
-      const int r = idx / half, i = idx % half;
-      const int i0 = a.mimo_rotation ? i : 2 * i, i1 = a.mimo_rotation ? i + half : 2 * i + 1;
+  for (int j = 0; j < kRJ; ++j) {
+    const int r = (tid >> 6) + j * (kT / 64);
+    if (rotates && r < R) {
       const float* bbias = a.B_bias + ((int64_t)h * R + r) * N;
       const float* cbias = a.C_bias + ((int64_t)h * R + r) * N;
-      ib[j][0] = bbias[i0]; ib[j][1] = bbias[i1];
-      ic[j][0] = cbias[i0]; ic[j][1] = cbias[i1];
-      nb[j][0] = a.B_norm[i0]; nb[j][1] = a.B_norm[i1];
-      nc[j][0] = a.C_norm[i0]; nc[j][1] = a.C_norm[i1];
-      th[j] = i < S ? angle_old[i] : 0.f;
+      ib[j][0] = bbias[pi0]; ib[j][1] = bbias[pi1];
+      ic[j][0] = cbias[pi0]; ic[j][1] = cbias[pi1];
     }
   }
+  const float th_old = tid < S ? angle_old[tid] : 0.f;
   // The epilogue's parameters, for shared memory.
   float emx[kEI], emz[kEI], emo[kEI], eon = 1.f;
 #pragma unroll
@@ -216,25 +222,23 @@ __global__ void __launch_bounds__(128 * CS, CS == 2 ? 3 : 4) mimo_step_tc_kernel
     e_x = w[a.off_x + h * P + tid];
     e_z = w[a.off_z + h * P + tid];
   }
-  float rb[kBI], rc[kBI], ra[kRI];
+  float rb[kBI], rc[kBI];
 #pragma unroll
   for (int j = 0; j < kBI; ++j) {
     const int i = tid + j * kT;
     if (i < RN) { rb[j] = w[a.off_B + i]; rc[j] = w[a.off_C + i]; }
   }
-#pragma unroll
-  for (int j = 0; j < kRI; ++j) {
-    const int idx = tid + j * kT, i = idx % half;
-    ra[j] = idx < R * half && i < S ? w[a.off_ang + i] : 0.f;
-  }
+  const float ang_in = tid < S ? w[a.off_ang + tid] : 0.f;
 #pragma unroll
   for (int j = 0; j < kBI; ++j) {
     const int i = tid + j * kT;
     if (i < RN) { braw[i] = rb[j]; craw[i] = rc[j]; }
   }
   const float dt = softplus(dt_raw + dt_bias);
-  const float A = fminf(-(fmaxf(dA, 0.f) + 1.f / (1.f - fminf(dA, 0.f))), -a.a_floor);
-  const float trap = 1.f / (1.f + expf(-trap_raw));
+  // Reciprocals by __frcp_rn (correctly rounded, no division subroutine): every thread
+  // derives these scalars itself rather than waiting on a barrier for one to share them.
+  const float A = fminf(-(fmaxf(dA, 0.f) + __frcp_rn(1.f - fminf(dA, 0.f))), -a.a_floor);
+  const float trap = __frcp_rn(1.f + expf(-trap_raw));
   const float alpha = expf(A * dt);
   const float beta = (1.f - trap) * dt * alpha;
   const float gamma = trap * dt;
@@ -243,34 +247,35 @@ __global__ void __launch_bounds__(128 * CS, CS == 2 ? 3 : 4) mimo_step_tc_kernel
   const uint32_t fa2 = to_tf32(beta * (xp0 * mxa0)), fa3 = to_tf32(beta * (xp1 * mxa1));
   __syncthreads();
 
+  // The new angles (thread s < S) and their sines and cosines, once per pair.
+  constexpr float kPi = 3.14159265358979323846f;
+  if (tid < S) {
+    const float theta = th_old + tanhf(ang_in) * dt * kPi;
+    angle_new[tid] = theta;
+    sincosf(theta, &sns[tid], &css[tid]);
+  }
   // RMSNorm scales of B[r] and C[r], one warp per vector.
   for (int v = warp; v < 2 * R; v += kT / 32) {
     const float* src = (v < R ? braw : craw) + (v % R) * N;
     float ss = 0.f;
     for (int n = lane; n < N; n += 32) ss += src[n] * src[n];
     ss = warp_sum(ss);
-    if (lane == 0) scale[v] = rsqrtf(ss / N + a.norm_eps);
+    if (lane == 0) scale[v] = rsqrtf(ss * __frcp_rn(static_cast<float>(N)) + a.norm_eps);
   }
   __syncthreads();
 
   // k and q: normalised, weighted, biased, rotated; k also becomes next step's k_prev.
-  constexpr float kPi = 3.14159265358979323846f;
+  const float sn = pair < S ? sns[pair] : 0.f, cs = pair < S ? css[pair] : 1.f;
 #pragma unroll
-  for (int j = 0; j < kRI; ++j) {
-    const int idx = tid + j * kT;
-    if (idx >= R * half) continue;
-    const int r = idx / half, i = idx % half;
-    const int i0 = a.mimo_rotation ? i : 2 * i;
-    const int i1 = a.mimo_rotation ? i + half : 2 * i + 1;
-    float k0 = braw[r * N + i0] * scale[r] * nb[j][0] + ib[j][0];
-    float k1 = braw[r * N + i1] * scale[r] * nb[j][1] + ib[j][1];
-    float q0 = craw[r * N + i0] * scale[R + r] * nc[j][0] + ic[j][0];
-    float q1 = craw[r * N + i1] * scale[R + r] * nc[j][1] + ic[j][1];
-    if (i < S) {
-      const float theta = th[j] + tanhf(ra[j]) * dt * kPi;
-      if (r == 0) angle_new[i] = theta;
-      float sn, cs;
-      sincosf(theta, &sn, &cs);
+  for (int j = 0; j < kRJ; ++j) {
+    const int r = (tid >> 6) + j * (kT / 64);
+    if (!rotates || r >= R) continue;
+    const int i0 = pi0, i1 = pi1;
+    float k0 = braw[r * N + i0] * scale[r] * nb[0] + ib[j][0];
+    float k1 = braw[r * N + i1] * scale[r] * nb[1] + ib[j][1];
+    float q0 = craw[r * N + i0] * scale[R + r] * nc[0] + ic[j][0];
+    float q1 = craw[r * N + i1] * scale[R + r] * nc[1] + ic[j][1];
+    {  // (pairs past S: sn 0, cs 1)
       const float k0r = k0 * cs - k1 * sn, q0r = q0 * cs - q1 * sn;
       k1 = k0 * sn + k1 * cs;
       q1 = q0 * sn + q1 * cs;
@@ -364,7 +369,10 @@ __global__ void __launch_bounds__(128 * CS, CS == 2 ? 3 : 4) mimo_step_tc_kernel
   if (tid < P) {
     float out = 0.f;
 #pragma unroll
-    for (int r = 0; r < R; ++r) out += y[r] * silu(e_z * mzs[r * P + tid]) * mos[r * P + tid];
+    for (int r = 0; r < R; ++r) {
+      const float zv = e_z * mzs[r * P + tid];
+      out += y[r] * (zv * __frcp_rn(1.f + __expf(-zv))) * mos[r * P + tid];
+    }
     a.o[(int64_t)b * a.o_stride + h * P + tid] = out;
     xprev[tid] = e_x;  // every read of the old x_prev happened before the first barrier
   }
@@ -379,23 +387,43 @@ KernelLaunch plan_cs(const MimoStepArgs& a) {
                             dim3(threads), sizeof(float) * s.total, prm);
 }
 
-// Warps per row tile: 2 (each half the columns) unless M3_MIMO_TC_SPLIT=1 (A/B).
-int column_split() {
+// Warps per row tile (each takes N / split columns): M3_MIMO_TC_SPLIT=1|2|4 for A/B
+// measurements, otherwise 0 (planned below).
+int column_split_override() {
   static const int value = [] {
     const char* env = std::getenv("M3_MIMO_TC_SPLIT");
-    return env != nullptr && std::string(env) == "1" ? 1 : 2;
+    const int v = env != nullptr ? std::atoi(env) : 0;
+    return v == 1 || v == 2 || v == 4 ? v : 0;
   }();
   return value;
 }
 
+// Two warps per row tile (256 threads, 3 blocks per SM) unless one-warp tiles (128
+// threads, 4 blocks per SM) fit every block in one wave and two-warp tiles would not:
+// measured at batch 16 (448 blocks), 437 against 458 us per step; at batch 4 and 64 the
+// two-warp tiles win (243 against 249, 1280 against 1311).
 template <int R>
 KernelLaunch plan_rank_tc(const MimoStepArgs& a) {
-  if (column_split() == 2 && (a.d_state / 16) % 2 == 0) return plan_cs<R, 2>(a);
-  return plan_cs<R, 1>(a);
+  const int groups = a.d_state / 16;
+  const int forced = column_split_override();
+  if (forced == 4 && groups % 4 == 0) return plan_cs<R, 4>(a);
+  if (forced == 1 || groups % 2 != 0) return plan_cs<R, 1>(a);
+  KernelLaunch two = plan_cs<R, 2>(a);
+  if (forced == 2) return two;
+  int device = 0, sms = 0;
+  M3_CUDA_CHECK(cudaGetDevice(&device));
+  M3_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  KernelLaunch one = plan_cs<R, 1>(a);
+  const int blocks = a.heads * a.batch;
+  const bool one_wave_only_with_one = blocks > two.resident_blocks_per_sm(256) * sms &&
+                                      blocks <= one.resident_blocks_per_sm(128) * sms;
+  return one_wave_only_with_one ? one : two;
 }
 
 }  // namespace
 
+// out_proj is never fused here: measured at batch 1, a block per head multiplying its 64
+// columns of out_proj (114 KB) took 193 us per step against 79 + 66 for the two kernels.
 bool mimo_step_tc_applies(const MimoStepArgs& a) {
   const bool rank_ok = a.rank == 1 || a.rank == 2 || a.rank == 4;
   return rank_ok && a.headdim % 16 == 0 && a.headdim <= 64 && a.d_state % 16 == 0 &&

@@ -26,6 +26,13 @@ if [[ $MODE == all || $MODE == tests ]]; then
     summary+=("$t: $r ($(grep -E '^\[  (PASSED|FAILED|SKIPPED) ' "$OUT/$t.log" | tr '\n' ' '))")
     [[ $r == FAIL ]] && grep -E "Failure|error|FAILED|Expected|Which is|actual" "$OUT/$t.log" | head -40
   done
+  # The tensor-core recurrence's other column splits (the default is 2 warps per row tile).
+  for split in 1 4; do
+    if M3_MIMO_TC_SPLIT=$split "$BIN/m3_kernel_tests" --gtest_brief=1 --gtest_filter='*TensorCore*' \
+        >"$OUT/m3_kernel_tests_split$split.log" 2>&1; then r=PASS; else r=FAIL; fi
+    summary+=("m3_kernel_tests tensor-core split $split: $r")
+    [[ $r == FAIL ]] && grep -E "Failure|Expected|Which is|actual" "$OUT/m3_kernel_tests_split$split.log" | head -20
+  done
 fi
 
 if [[ $MODE == all || $MODE == check ]]; then
@@ -36,12 +43,12 @@ if [[ $MODE == all || $MODE == check ]]; then
       rc=$?
       summary+=("m3check cuda $c $d: exit $rc: $(tail -2 "$OUT/m3check_${c}_$d.log" | tr '\n' ' ')")
     done
-    # m3check decodes two sequences (batch 2), below where the tensor-core recurrence
-    # starts by default: force it there too.
-    M3_MIMO_TC_MIN_BATCH=1 "$BIN/m3check" "$GOLDEN/$c" "$GOLDEN/$c/trajectory.safetensors" --backend cuda \
-        --dtype bf16 >"$OUT/m3check_${c}_bf16_tc.log" 2>&1
+    # bf16 engines run the recurrence on tensor cores; check the CUDA-core kernel with
+    # bf16 weights too (M3_MIMO_TC_MIN_BATCH=0 turns the tensor-core variant off).
+    M3_MIMO_TC_MIN_BATCH=0 "$BIN/m3check" "$GOLDEN/$c" "$GOLDEN/$c/trajectory.safetensors" --backend cuda \
+        --dtype bf16 >"$OUT/m3check_${c}_bf16_cudacore.log" 2>&1
     rc=$?
-    summary+=("m3check cuda $c bf16 (tensor-core recurrence): exit $rc: $(tail -2 "$OUT/m3check_${c}_bf16_tc.log" | tr '\n' ' ')")
+    summary+=("m3check cuda $c bf16 (CUDA-core recurrence): exit $rc: $(tail -2 "$OUT/m3check_${c}_bf16_cudacore.log" | tr '\n' ' ')")
   done
 fi
 

@@ -193,6 +193,7 @@ void run_dims(const Dims& d, uint32_t seed, int batch = 3, int fuse_d_model = 0,
     a.slots = dslots.get(); a.parities = dparities.get();
     a.o = dout.get(); a.o_stride = d_inner + 2;
     a.batch = batch;
+    a.tensor_cores = tensor_cores;
     if (fuse_d_model > 0) {
       a.out_proj = fuse_type == kernels::WeightType::BF16 ? static_cast<const void*>(dw_out16.get()) : dw_out32.get();
       a.out_proj_type = fuse_type;
@@ -202,7 +203,6 @@ void run_dims(const Dims& d, uint32_t seed, int batch = 3, int fuse_d_model = 0,
       ASSERT_TRUE(kernels::mimo_step_can_fuse_out_proj(a));
       dres.upload(residual);
     }
-    a.tensor_cores = tensor_cores;
     const kernels::KernelLaunch plan = kernels::plan_mimo_step(a);
     ASSERT_EQ(plan.name(), tensor_cores ? "mimo_step_tc" : "mimo_step");
     plan.launch(nullptr, false);
@@ -224,7 +224,7 @@ void run_dims(const Dims& d, uint32_t seed, int batch = 3, int fuse_d_model = 0,
           want[m] = acc;
           got[m] = res_got[b * res_stride + m];
         }
-        EXPECT_LT(testing::max_rel_err(got, want), 1e-5) << "fused out_proj, step " << step << " entry " << b;
+        EXPECT_LT(testing::max_rel_err(got, want), tol) << "fused out_proj, step " << step << " entry " << b;
         EXPECT_EQ(res_got[b * res_stride + fuse_d_model], residual[b * res_stride + fuse_d_model]);
       } else {
         std::vector<float> got(out.begin() + b * (d_inner + 2), out.begin() + b * (d_inner + 2) + d_inner);
