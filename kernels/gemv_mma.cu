@@ -16,6 +16,8 @@
 
 #include "kernels/common.cuh"
 
+#include <cooperative_groups.h>
+
 namespace m3::kernels {
 namespace {
 
@@ -193,6 +195,318 @@ size_t smem_for(int bt, int row_words) {
   return sizeof(uint32_t) * bt * row_words + sizeof(float) * kWarps * 16 * bt + 2048;
 }
 
+// ---------------------------------------------------------------------------------------
+// Row-block kernel (the default): a block owns 128 weight rows (8 warps x 16; gated: 64
+// output rows) and a batch tile of up to 64 columns, so weights are read once per batch
+// tile and x is staged once per 128 rows. The columns are split over a cluster of KS
+// blocks: each stages only its slice of x, its warps hold all their weights of the slice
+// in registers (loaded before the PDL wait), and the grid fills the GPU. The KS partial
+// tiles are summed in a fixed order through distributed shared memory, each block
+// finishing 1/KS of the output rows, so results are deterministic and y is written (or
+// accumulated into) exactly once.
+//
+// x staging: cp.async copies the fp32 slice to shared memory (every copy in flight at
+// once, no registers), then one pass converts it to bf16 (times the norm weight) and
+// takes the sums of squares; the fp32 buffer then holds the partial tile.
+constexpr int kHeld = 8;             // 32-column blocks of weights per warp held in registers
+constexpr int kRowsPerBlock = kWarps * 16;
+constexpr int kPartStride = kRowsPerBlock + 4;  // floats per batch column of the partial tile
+
+struct RowsParams {
+  const __nv_bfloat16* weight;
+  int out_rows, cols;
+  const float* x;
+  int x_stride;
+  const float* norm_weight;
+  float norm_eps;
+  float* y;
+  int y_stride;
+  int batch;
+  int chunk_kb;     // 32-column blocks staged at once (<= kHeld)
+  int x_row_words;  // padded shared-memory row of the staged bf16 x chunk, in 4-byte words
+  int raw_offset;   // floats from the start of dynamic shared memory to the fp32 chunk
+  int part_offset;  // ... and to the partial tile
+};
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void cp_async_wait_all() {
+  asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;" ::: "memory");
+}
+
+// Dynamic shared memory: bf16 x chunk [BT][x_row_words], fp32 x chunk [BT][32 chunk_kb],
+// partial tile [BT][kPartStride] (over the fp32 chunk when one chunk covers the slice).
+size_t rows_smem(int bt, int chunk_kb, int row_words, bool alias) {
+  const size_t raw = sizeof(float) * bt * 32 * chunk_kb;
+  const size_t xs = sizeof(uint32_t) * bt * row_words;
+  const size_t part = sizeof(float) * bt * kPartStride;
+  return alias ? std::max(raw, part) + xs : raw + xs + part;
+}
+
+template <int BT, int KS, GemvEpilogue E>
+__global__ void __cluster_dims__(KS, 1, 1) __launch_bounds__(kThreads, 2)
+    gemv_mma_rows_kernel(const RowsParams p) {
+  constexpr int NT = BT / 8;
+  constexpr int RPW = BT / 8;  // staged batch rows per warp
+  constexpr bool kGated = E == GemvEpilogue::GatedSilu;
+  constexpr int kOutRows = kGated ? kRowsPerBlock / 2 : kRowsPerBlock;
+  static_assert(kOutRows % KS == 0, "output rows split evenly over the cluster");
+  extern __shared__ float4 smem4[];
+  uint32_t* xs = reinterpret_cast<uint32_t*>(smem4);              // [BT][x_row_words]
+  float* raw = reinterpret_cast<float*>(smem4) + p.raw_offset;    // [BT][32 chunk_kb] fp32
+  float* part = reinterpret_cast<float*>(smem4) + p.part_offset;  // [BT][kPartStride]
+  __shared__ float ss_blk[BT];
+
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int g = lane >> 2, c = lane & 3;
+  const int cols = p.cols, kblocks = cols >> 5;
+  const int rank = KS > 1 ? static_cast<int>(blockIdx.x % KS) : 0;
+  const int b0 = (blockIdx.x / KS) * BT;
+  const int nb = min(BT, p.batch - b0);
+  const int kb0 = rank * kblocks / KS, kb1 = (rank + 1) * kblocks / KS;
+  const int out_base = blockIdx.y * kOutRows;
+  const int out0 = out_base + warp * (kGated ? 8 : 16);
+  const int row_a = min(out0 + g, p.out_rows - 1);  // clamped rows compute, never store
+  const int row_b = kGated ? row_a + p.out_rows : min(out0 + g + 8, p.out_rows - 1);
+  const __nv_bfloat16* wa = p.weight + (size_t)row_a * cols + 8 * c;
+  const __nv_bfloat16* wb = p.weight + (size_t)row_b * cols + 8 * c;
+
+  uint4 ha[kHeld], hb[kHeld];
+  int c0 = kb0, c1 = min(kb1, kb0 + p.chunk_kb);
+  auto load_weights = [&]() {
+#pragma unroll
+    for (int j = 0; j < kHeld; ++j) {
+      if (c0 + j < c1) {
+        ha[j] = __ldg(reinterpret_cast<const uint4*>(wa + (c0 + j) * 32));
+        hb[j] = __ldg(reinterpret_cast<const uint4*>(wb + (c0 + j) * 32));
+      }
+    }
+  };
+  load_weights();
+
+  wait_for_previous_kernel();
+
+  const bool norm = p.norm_weight != nullptr;
+  const float4* nw4 = reinterpret_cast<const float4*>(p.norm_weight);
+  // Stage x[b0 .. b0+BT)[32 c0 .. 32 c1) as bf16 (times the norm weight). Warp w copies
+  // and converts batch rows w, w+8, ..., so each row's sum of squares is one warp's.
+  auto stage = [&](bool first) {
+    const int n4 = (c1 - c0) * 8, col4 = c0 * 8, raw4 = p.chunk_kb * 8;
+    for (int n = warp; n < nb; n += kWarps) {
+      const float4* src = reinterpret_cast<const float4*>(p.x + (size_t)(b0 + n) * p.x_stride) + col4;
+      for (int i = lane; i < n4; i += 32) cp_async16(raw + (size_t)(n * raw4 + i) * 4, src + i);
+    }
+    float4 gw[2];
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      const int i = lane + 32 * u;
+      gw[u] = (norm && i < n4) ? nw4[col4 + i] : make_float4(1.f, 1.f, 1.f, 1.f);
+    }
+    cp_async_wait_all();  // each warp converts only the rows it copied
+    __syncwarp();
+#pragma unroll 2
+    for (int r = 0; r < RPW; ++r) {
+      const int n = warp + 8 * r;
+      float ss = 0.f;
+#pragma unroll
+      for (int u = 0; u < 2; ++u) {
+        const int i = lane + 32 * u;
+        if (i < n4) {
+          const float4 x = n < nb ? reinterpret_cast<const float4*>(raw)[n * raw4 + i] : make_float4(0.f, 0.f, 0.f, 0.f);
+          ss += x.x * x.x + x.y * x.y + x.z * x.z + x.w * x.w;
+          uint2 packed;
+          packed.x = pack_bf16(x.x * gw[u].x, x.y * gw[u].y);
+          packed.y = pack_bf16(x.z * gw[u].z, x.w * gw[u].w);
+          reinterpret_cast<uint2*>(xs + n * p.x_row_words)[i] = packed;
+        }
+      }
+      if (norm) {
+        ss = warp_sum(ss);
+        if (lane == 0) ss_blk[n] = first ? ss : ss_blk[n] + ss;
+      }
+    }
+  };
+  // All of a chunk's weights are held, so each 16x8 output tile is finished per chunk
+  // and goes straight to the partial tile (added to it after the first chunk): only four
+  // accumulators live at a time. part[n][r] for this warp's rows r is this warp's alone.
+  auto consume = [&](bool first) {
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+      float d[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+      for (int j = 0; j < kHeld; ++j) {
+        if (c0 + j < c1) {
+          const uint4 xv = *reinterpret_cast<const uint4*>(xs + (t * 8 + g) * p.x_row_words + j * 16 + 4 * c);
+          mma_bf16(d, ha[j].x, hb[j].x, ha[j].y, hb[j].y, xv.x, xv.y);
+          mma_bf16(d, ha[j].z, hb[j].z, ha[j].w, hb[j].w, xv.z, xv.w);
+        }
+      }
+      const int n = t * 8 + 2 * c, r = warp * 16 + g;
+      float* q0 = part + n * kPartStride + r;
+      float* q1 = q0 + kPartStride;
+      if (first) {
+        q0[0] = d[0]; q1[0] = d[1]; q0[8] = d[2]; q1[8] = d[3];
+      } else {
+        q0[0] += d[0]; q1[0] += d[1]; q0[8] += d[2]; q1[8] += d[3];
+      }
+    }
+  };
+  // First chunk: its weights are in flight since before the wait.
+  stage(true);
+  __syncthreads();  // bf16 x complete (and, when aliased, the raw chunk no longer read)
+  consume(true);
+  // Further chunks (only for column slices wider than the held registers; the partial
+  // tile then has its own space).
+  while (c1 < kb1) {
+    c0 = c1;
+    c1 = min(kb1, c0 + p.chunk_kb);
+    load_weights();
+    __syncthreads();  // everyone is done with the previous chunk of xs
+    stage(false);
+    __syncthreads();
+    consume(false);
+  }
+  allow_next_kernel();
+
+  const float* pq[KS];
+  const float* sq[KS];
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  namespace cg = cooperative_groups;
+  cg::cluster_group cluster = cg::this_cluster();
+  if constexpr (KS > 1) {
+    cluster.sync();
+#pragma unroll
+    for (int q = 0; q < KS; ++q) {
+      pq[q] = cluster.map_shared_rank(part, q);
+      sq[q] = cluster.map_shared_rank(&ss_blk[0], q);
+    }
+  } else
+#endif
+  {
+    __syncthreads();
+#pragma unroll
+    for (int q = 0; q < KS; ++q) pq[q] = part, sq[q] = ss_blk;
+  }
+
+  // This block finishes output rows [rank * kRowsPerRank, ...) of the block's rows.
+  constexpr int kRowsPerRank = kOutRows / KS;
+  for (int idx = threadIdx.x; idx < kRowsPerRank * BT; idx += kThreads) {
+    const int r = rank * kRowsPerRank + idx % kRowsPerRank, n = idx / kRowsPerRank;
+    const int row = out_base + r;
+    if (n >= nb || row >= p.out_rows) continue;
+    const int prow = kGated ? (r >> 3) * 16 + (r & 7) : r;
+    float a = 0.f, gate = 0.f;
+#pragma unroll
+    for (int q = 0; q < KS; ++q) {
+      a += pq[q][n * kPartStride + prow];
+      if constexpr (kGated) gate += pq[q][n * kPartStride + prow + 8];
+    }
+    float scale = 1.f;
+    if (norm) {
+      float s = 0.f;
+#pragma unroll
+      for (int q = 0; q < KS; ++q) s += sq[q][n];
+      scale = rsqrtf(s / cols + p.norm_eps);
+    }
+    a *= scale;
+    float* out = p.y + (size_t)(b0 + n) * p.y_stride + row;
+    if constexpr (E == GemvEpilogue::Store) *out = a;
+    if constexpr (E == GemvEpilogue::Accumulate) *out += a;
+    if constexpr (E == GemvEpilogue::GatedSilu) *out = a * silu(gate * scale);
+  }
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if constexpr (KS > 1) cluster.sync();  // keep this block's shared memory until all have read it
+#endif
+}
+
+template <int BT, int KS, GemvEpilogue E>
+KernelLaunch plan_rows3(const GemvArgs& a, const RowsParams& p, size_t smem) {
+  const int out_rows_per_block = E == GemvEpilogue::GatedSilu ? kRowsPerBlock / 2 : kRowsPerBlock;
+  const dim3 grid(((a.batch + BT - 1) / BT) * KS, (a.out_rows + out_rows_per_block - 1) / out_rows_per_block);
+  return KernelLaunch::make("gemv_mma", gemv_mma_rows_kernel<BT, KS, E>, grid, dim3(kThreads), smem, p);
+}
+
+template <int BT, GemvEpilogue E>
+KernelLaunch plan_rows2(const GemvArgs& a, const RowsParams& p, size_t smem, int ks) {
+  switch (ks) {
+    case 2: return plan_rows3<BT, 2, E>(a, p, smem);
+    case 4: return plan_rows3<BT, 4, E>(a, p, smem);
+    default: return plan_rows3<BT, 8, E>(a, p, smem);
+  }
+}
+
+template <GemvEpilogue E>
+KernelLaunch plan_rows1(const GemvArgs& a, const RowsParams& p, size_t smem, int bt, int ks) {
+  switch (bt) {
+    case 8: return plan_rows2<8, E>(a, p, smem, ks);
+    case 16: return plan_rows2<16, E>(a, p, smem, ks);
+    case 32: return plan_rows2<32, E>(a, p, smem, ks);
+    default: return plan_rows2<64, E>(a, p, smem, ks);
+  }
+}
+
+int env_int(const char* name, int fallback) {
+  const char* env = std::getenv(name);
+  return env != nullptr ? std::atoi(env) : fallback;
+}
+
+int sm_count() {
+  static const int n = [] {
+    int device = 0, v = 0;
+    M3_CUDA_CHECK(cudaGetDevice(&device));
+    M3_CUDA_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, device));
+    return v;
+  }();
+  return n;
+}
+
+// Batch tile and cluster size: the smallest cluster whose column slice fits the held
+// registers, then more splitting (columns first, then batch) while the grid would leave
+// multiprocessors idle. M3_GEMV_KS / M3_GEMV_BT override (A/B measurements).
+KernelLaunch plan_rows(const GemvArgs& a) {
+  const int kblocks = a.cols / 32;
+  const int out_rows_per_block = a.epilogue == GemvEpilogue::GatedSilu ? kRowsPerBlock / 2 : kRowsPerBlock;
+  const long row_blocks = (a.out_rows + out_rows_per_block - 1) / out_rows_per_block;
+  int bt = 8;
+  while (bt < 64 && bt < a.batch) bt *= 2;
+  int ks = 2;
+  while (ks < 8 && (kblocks + ks - 1) / ks > kHeld) ks *= 2;
+  const long enough = sm_count() * 3 / 4;
+  auto blocks = [&] { return row_blocks * ((a.batch + bt - 1) / bt) * ks; };
+  while (ks < 8 && blocks() < enough && kblocks / (2 * ks) >= 2) ks *= 2;
+  while (bt > 8 && blocks() < enough) bt /= 2;
+  const int env_ks = env_int("M3_GEMV_KS", 0), env_bt = env_int("M3_GEMV_BT", 0);
+  if (env_ks == 2 || env_ks == 4 || env_ks == 8) ks = env_ks;
+  if (env_bt == 8 || env_bt == 16 || env_bt == 32 || env_bt == 64) bt = env_bt;
+
+  RowsParams p{static_cast<const __nv_bfloat16*>(a.weight), a.out_rows, a.cols, a.x, a.x_stride,
+               a.norm_weight, a.norm_eps, a.y, a.y_stride, a.batch, 0, 0, 0, 0};
+  const int slice = (kblocks + ks - 1) / ks;  // widest column slice, in 32-column blocks
+  int chunk = std::max(1, std::min(kHeld, slice));
+  auto words = [](int ck) { return ck * 16 + (ck % 2 == 0 ? 16 : 0); };  // 16 mod 32: no bank conflicts
+  while (chunk > 1 && rows_smem(bt, chunk, words(chunk), chunk >= slice) > kMaxSharedBytesPerBlock - 1024) --chunk;
+  const bool alias = chunk >= slice;
+  p.chunk_kb = chunk;
+  p.x_row_words = words(chunk);
+  p.raw_offset = bt * p.x_row_words;
+  p.part_offset = p.raw_offset + (alias ? 0 : bt * 32 * chunk);
+  const size_t smem = rows_smem(bt, chunk, p.x_row_words, alias);
+  switch (a.epilogue) {
+    case GemvEpilogue::Store: return plan_rows1<GemvEpilogue::Store>(a, p, smem, bt, ks);
+    case GemvEpilogue::Accumulate: return plan_rows1<GemvEpilogue::Accumulate>(a, p, smem, bt, ks);
+    default: return plan_rows1<GemvEpilogue::GatedSilu>(a, p, smem, bt, ks);
+  }
+}
+
+// M3_GEMV_MMA_ROWS=0 keeps the older 16-row kernel (A/B); M3_GEMV_MMA_ROWS_MIN_BATCH
+// moves the batch from which the row-block kernel is used.
+bool use_rows_kernel(const GemvArgs& a) {
+  static const int min_b = env_int("M3_GEMV_MMA_ROWS_MIN_BATCH", 4);
+  static const bool on = env_int("M3_GEMV_MMA_ROWS", 1) != 0;
+  return on && a.batch >= min_b;
+}
 }  // namespace
 
 // Smallest batch that takes the tensor-core path; M3_GEMV_MMA_MIN_BATCH overrides (A/B).
@@ -215,6 +529,7 @@ KernelLaunch plan_gemv_mma(const GemvArgs& a) {
     throw std::invalid_argument("plan_gemv_mma: needs bf16 weights, batch >= " + std::to_string(min_batch()) +
                                 " and cols % 32 == 0");
   }
+  if (use_rows_kernel(a)) return plan_rows(a);
   MmaParams p{static_cast<const __nv_bfloat16*>(a.weight), a.out_rows, a.cols, a.x, a.x_stride,
               a.norm_weight, a.norm_eps, a.y, a.y_stride, a.batch, 0};
   // Pad each staged row so the 8 rows a warp reads at once fall in different banks.
