@@ -250,9 +250,9 @@ __global__ void __cluster_dims__(KS, 1, 1) __launch_bounds__(kThreads, 2)
     gemv_mma_rows_kernel(const RowsParams p) {
   constexpr int NT = BT / 8;
   constexpr int RPW = BT / 8;  // staged batch rows per warp
+  constexpr int TG = NT < 4 ? NT : 4;  // output tiles accumulated at once
   constexpr bool kGated = E == GemvEpilogue::GatedSilu;
   constexpr int kOutRows = kGated ? kRowsPerBlock / 2 : kRowsPerBlock;
-  static_assert(kOutRows % KS == 0, "output rows split evenly over the cluster");
   extern __shared__ float4 smem4[];
   uint32_t* xs = reinterpret_cast<uint32_t*>(smem4);              // [BT][x_row_words]
   float* raw = reinterpret_cast<float*>(smem4) + p.raw_offset;    // [BT][32 chunk_kb] fp32
@@ -306,7 +306,7 @@ __global__ void __cluster_dims__(KS, 1, 1) __launch_bounds__(kThreads, 2)
     }
     cp_async_wait_all();  // each warp converts only the rows it copied
     __syncwarp();
-#pragma unroll 2
+#pragma unroll 4
     for (int r = 0; r < RPW; ++r) {
       const int n = warp + 8 * r;
       float ss = 0.f;
@@ -328,28 +328,36 @@ __global__ void __cluster_dims__(KS, 1, 1) __launch_bounds__(kThreads, 2)
       }
     }
   };
-  // All of a chunk's weights are held, so each 16x8 output tile is finished per chunk
-  // and goes straight to the partial tile (added to it after the first chunk): only four
-  // accumulators live at a time. part[n][r] for this warp's rows r is this warp's alone.
+  // All of a chunk's weights are held, so the 16x8 output tiles are finished per chunk,
+  // TG at a time (TG independent mma chains), and go straight to the partial tile (added
+  // to it after the first chunk). part[n][r] for this warp's rows r is this warp's alone.
   auto consume = [&](bool first) {
 #pragma unroll
-    for (int t = 0; t < NT; ++t) {
-      float d[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int t0 = 0; t0 < NT; t0 += TG) {
+      float d[TG][4];
+#pragma unroll
+      for (int t = 0; t < TG; ++t) d[t][0] = d[t][1] = d[t][2] = d[t][3] = 0.f;
 #pragma unroll
       for (int j = 0; j < kHeld; ++j) {
         if (c0 + j < c1) {
-          const uint4 xv = *reinterpret_cast<const uint4*>(xs + (t * 8 + g) * p.x_row_words + j * 16 + 4 * c);
-          mma_bf16(d, ha[j].x, hb[j].x, ha[j].y, hb[j].y, xv.x, xv.y);
-          mma_bf16(d, ha[j].z, hb[j].z, ha[j].w, hb[j].w, xv.z, xv.w);
+#pragma unroll
+          for (int t = 0; t < TG; ++t) {
+            const uint4 xv = *reinterpret_cast<const uint4*>(xs + ((t0 + t) * 8 + g) * p.x_row_words + j * 16 + 4 * c);
+            mma_bf16(d[t], ha[j].x, hb[j].x, ha[j].y, hb[j].y, xv.x, xv.y);
+            mma_bf16(d[t], ha[j].z, hb[j].z, ha[j].w, hb[j].w, xv.z, xv.w);
+          }
         }
       }
-      const int n = t * 8 + 2 * c, r = warp * 16 + g;
-      float* q0 = part + n * kPartStride + r;
-      float* q1 = q0 + kPartStride;
-      if (first) {
-        q0[0] = d[0]; q1[0] = d[1]; q0[8] = d[2]; q1[8] = d[3];
-      } else {
-        q0[0] += d[0]; q1[0] += d[1]; q0[8] += d[2]; q1[8] += d[3];
+#pragma unroll
+      for (int t = 0; t < TG; ++t) {
+        const int n = (t0 + t) * 8 + 2 * c, r = warp * 16 + g;
+        float* q0 = part + n * kPartStride + r;
+        float* q1 = q0 + kPartStride;
+        if (first) {
+          q0[0] = d[t][0]; q1[0] = d[t][1]; q0[8] = d[t][2]; q1[8] = d[t][3];
+        } else {
+          q0[0] += d[t][0]; q1[0] += d[t][1]; q0[8] += d[t][2]; q1[8] += d[t][3];
+        }
       }
     }
   };
@@ -369,6 +377,33 @@ __global__ void __cluster_dims__(KS, 1, 1) __launch_bounds__(kThreads, 2)
     consume(false);
   }
   allow_next_kernel();
+
+  // This block finishes 4-row groups [grp0, grp1) of the block's output rows, for all
+  // batch columns: item i -> (column n, group). Accumulate's y values are loaded before
+  // the cluster barrier so their latency hides behind it.
+  constexpr int kGroups = kOutRows / 4;
+  constexpr int kMaxGroups = (kGroups + KS - 1) / KS;
+  constexpr int kItems = (kMaxGroups * BT + kThreads - 1) / kThreads;
+  const int grp0 = rank * kGroups / KS, ngrp = (rank + 1) * kGroups / KS - grp0;
+  int item_n[kItems], item_r[kItems];
+  float4 yold[kItems];
+#pragma unroll
+  for (int it = 0; it < kItems; ++it) {
+    const int idx = threadIdx.x + it * kThreads;
+    const int n = idx / ngrp;
+    item_n[it] = idx < ngrp * BT ? n : BT;  // BT: nothing to do
+    item_r[it] = (grp0 + idx - n * ngrp) * 4;
+    if constexpr (E == GemvEpilogue::Accumulate) {
+      float v[4] = {0.f, 0.f, 0.f, 0.f};
+      if (item_n[it] < nb) {
+        const float* src = p.y + (size_t)(b0 + n) * p.y_stride + out_base + item_r[it];
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          if (out_base + item_r[it] + e < p.out_rows) v[e] = src[e];
+      }
+      yold[it] = make_float4(v[0], v[1], v[2], v[3]);
+    }
+  }
 
   const float* pq[KS];
   const float* sq[KS];
@@ -390,31 +425,49 @@ __global__ void __cluster_dims__(KS, 1, 1) __launch_bounds__(kThreads, 2)
     for (int q = 0; q < KS; ++q) pq[q] = part, sq[q] = ss_blk;
   }
 
-  // This block finishes output rows [rank * kRowsPerRank, ...) of the block's rows.
-  constexpr int kRowsPerRank = kOutRows / KS;
-  for (int idx = threadIdx.x; idx < kRowsPerRank * BT; idx += kThreads) {
-    const int r = rank * kRowsPerRank + idx % kRowsPerRank, n = idx / kRowsPerRank;
-    const int row = out_base + r;
-    if (n >= nb || row >= p.out_rows) continue;
+  // Every remote load first, then the sums (in rank order: deterministic).
+  float4 va[kItems][KS], vg[kGated ? kItems : 1][KS];
+  float vs[kItems][KS];
+#pragma unroll
+  for (int it = 0; it < kItems; ++it) {
+    const int n = min(item_n[it], BT - 1), r = item_r[it];
     const int prow = kGated ? (r >> 3) * 16 + (r & 7) : r;
-    float a = 0.f, gate = 0.f;
 #pragma unroll
     for (int q = 0; q < KS; ++q) {
-      a += pq[q][n * kPartStride + prow];
-      if constexpr (kGated) gate += pq[q][n * kPartStride + prow + 8];
+      if (item_n[it] < nb) {
+        va[it][q] = *reinterpret_cast<const float4*>(pq[q] + n * kPartStride + prow);
+        if constexpr (kGated) vg[it][q] = *reinterpret_cast<const float4*>(pq[q] + n * kPartStride + prow + 8);
+        vs[it][q] = norm ? sq[q][n] : 0.f;
+      }
     }
-    float scale = 1.f;
-    if (norm) {
-      float s = 0.f;
+  }
 #pragma unroll
-      for (int q = 0; q < KS; ++q) s += sq[q][n];
-      scale = rsqrtf(s / cols + p.norm_eps);
+  for (int it = 0; it < kItems; ++it) {
+    if (item_n[it] >= nb) continue;
+    const int n = item_n[it];
+    float4 a = va[it][0], gt = make_float4(0.f, 0.f, 0.f, 0.f);
+    if constexpr (kGated) gt = vg[it][0];
+    float ssum = vs[it][0];
+#pragma unroll
+    for (int q = 1; q < KS; ++q) {
+      a.x += va[it][q].x; a.y += va[it][q].y; a.z += va[it][q].z; a.w += va[it][q].w;
+      if constexpr (kGated) {
+        gt.x += vg[it][q].x; gt.y += vg[it][q].y; gt.z += vg[it][q].z; gt.w += vg[it][q].w;
+      }
+      ssum += vs[it][q];
     }
-    a *= scale;
-    float* out = p.y + (size_t)(b0 + n) * p.y_stride + row;
-    if constexpr (E == GemvEpilogue::Store) *out = a;
-    if constexpr (E == GemvEpilogue::Accumulate) *out += a;
-    if constexpr (E == GemvEpilogue::GatedSilu) *out = a * silu(gate * scale);
+    const float scale = norm ? rsqrtf(ssum / cols + p.norm_eps) : 1.f;
+    const float av[4] = {a.x, a.y, a.z, a.w}, gv[4] = {gt.x, gt.y, gt.z, gt.w};
+    const float yv[4] = {yold[it].x, yold[it].y, yold[it].z, yold[it].w};
+    float* out = p.y + (size_t)(b0 + n) * p.y_stride + out_base + item_r[it];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      if (out_base + item_r[it] + e >= p.out_rows) continue;
+      const float v = av[e] * scale;
+      if constexpr (E == GemvEpilogue::Store) out[e] = v;
+      if constexpr (E == GemvEpilogue::Accumulate) out[e] = yv[e] + v;
+      if constexpr (E == GemvEpilogue::GatedSilu) out[e] = v * silu(gv[e] * scale);
+    }
   }
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   if constexpr (KS > 1) cluster.sync();  // keep this block's shared memory until all have read it
@@ -432,7 +485,9 @@ template <int BT, GemvEpilogue E>
 KernelLaunch plan_rows2(const GemvArgs& a, const RowsParams& p, size_t smem, int ks) {
   switch (ks) {
     case 2: return plan_rows3<BT, 2, E>(a, p, smem);
+    case 3: return plan_rows3<BT, 3, E>(a, p, smem);
     case 4: return plan_rows3<BT, 4, E>(a, p, smem);
+    case 7: return plan_rows3<BT, 7, E>(a, p, smem);
     default: return plan_rows3<BT, 8, E>(a, p, smem);
   }
 }
@@ -462,23 +517,31 @@ int sm_count() {
   return n;
 }
 
-// Batch tile and cluster size: the smallest cluster whose column slice fits the held
-// registers, then more splitting (columns first, then batch) while the grid would leave
-// multiprocessors idle. M3_GEMV_KS / M3_GEMV_BT override (A/B measurements).
+// Batch tile and cluster size from a rough cost model: two blocks fit on a
+// multiprocessor, so a multiprocessor's time is about (blocks it gets) x (one block's
+// bytes: its weights, its x slice, a fixed part for latencies), with a penalty for
+// slices wider than the held registers (several chunks). M3_GEMV_KS / M3_GEMV_BT
+// override (A/B measurements).
 KernelLaunch plan_rows(const GemvArgs& a) {
   const int kblocks = a.cols / 32;
   const int out_rows_per_block = a.epilogue == GemvEpilogue::GatedSilu ? kRowsPerBlock / 2 : kRowsPerBlock;
   const long row_blocks = (a.out_rows + out_rows_per_block - 1) / out_rows_per_block;
-  int bt = 8;
-  while (bt < 64 && bt < a.batch) bt *= 2;
-  int ks = 2;
-  while (ks < 8 && (kblocks + ks - 1) / ks > kHeld) ks *= 2;
-  const long enough = sm_count() * 3 / 4;
-  auto blocks = [&] { return row_blocks * ((a.batch + bt - 1) / bt) * ks; };
-  while (ks < 8 && blocks() < enough && kblocks / (2 * ks) >= 2) ks *= 2;
-  while (bt > 8 && blocks() < enough) bt /= 2;
+  int max_bt = 8;
+  while (max_bt < 64 && max_bt < a.batch) max_bt *= 2;
+  int bt = max_bt, ks = 8;
+  double best = 1e30;
+  for (int cbt = max_bt; cbt >= 8; cbt /= 2) {
+    for (int cks : {2, 3, 4, 7, 8}) {
+      const long blocks = row_blocks * ((a.batch + cbt - 1) / cbt) * cks;
+      const int slice = (kblocks + cks - 1) / cks;
+      const double block_kb = 16.0 + slice * (kRowsPerBlock * 64.0 + cbt * 128.0) / 1024.0 +
+                              (slice > kHeld ? 32.0 : 0.0);
+      const double cost = static_cast<double>((blocks + sm_count() - 1) / sm_count()) * block_kb;
+      if (cost < best - 1e-9) best = cost, bt = cbt, ks = cks;
+    }
+  }
   const int env_ks = env_int("M3_GEMV_KS", 0), env_bt = env_int("M3_GEMV_BT", 0);
-  if (env_ks == 2 || env_ks == 4 || env_ks == 8) ks = env_ks;
+  if (env_ks == 2 || env_ks == 3 || env_ks == 4 || env_ks == 7 || env_ks == 8) ks = env_ks;
   if (env_bt == 8 || env_bt == 16 || env_bt == 32 || env_bt == 64) bt = env_bt;
 
   RowsParams p{static_cast<const __nv_bfloat16*>(a.weight), a.out_rows, a.cols, a.x, a.x_stride,
