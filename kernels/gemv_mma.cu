@@ -474,31 +474,32 @@ __global__ void __cluster_dims__(KS, 1, 1) __launch_bounds__(kThreads, 2)
 #endif
 }
 
-template <int BT, int KS, GemvEpilogue E>
-KernelLaunch plan_rows3(const GemvArgs& a, const RowsParams& p, size_t smem) {
-  const int out_rows_per_block = E == GemvEpilogue::GatedSilu ? kRowsPerBlock / 2 : kRowsPerBlock;
-  const dim3 grid(((a.batch + BT - 1) / BT) * KS, (a.out_rows + out_rows_per_block - 1) / out_rows_per_block);
-  return KernelLaunch::make("gemv_mma", gemv_mma_rows_kernel<BT, KS, E>, grid, dim3(kThreads), smem, p);
-}
+using RowsKernel = void (*)(RowsParams);
 
-template <int BT, GemvEpilogue E>
-KernelLaunch plan_rows2(const GemvArgs& a, const RowsParams& p, size_t smem, int ks) {
+template <GemvEpilogue E, int BT>
+RowsKernel rows_kernel_bt(int ks) {
   switch (ks) {
-    case 2: return plan_rows3<BT, 2, E>(a, p, smem);
-    case 3: return plan_rows3<BT, 3, E>(a, p, smem);
-    case 4: return plan_rows3<BT, 4, E>(a, p, smem);
-    case 7: return plan_rows3<BT, 7, E>(a, p, smem);
-    default: return plan_rows3<BT, 8, E>(a, p, smem);
+    case 2: return gemv_mma_rows_kernel<BT, 2, E>;
+    case 4: return gemv_mma_rows_kernel<BT, 4, E>;
+    default: return gemv_mma_rows_kernel<BT, 8, E>;
   }
 }
 
 template <GemvEpilogue E>
-KernelLaunch plan_rows1(const GemvArgs& a, const RowsParams& p, size_t smem, int bt, int ks) {
+RowsKernel rows_kernel_e(int bt, int ks) {
   switch (bt) {
-    case 8: return plan_rows2<8, E>(a, p, smem, ks);
-    case 16: return plan_rows2<16, E>(a, p, smem, ks);
-    case 32: return plan_rows2<32, E>(a, p, smem, ks);
-    default: return plan_rows2<64, E>(a, p, smem, ks);
+    case 8: return rows_kernel_bt<E, 8>(ks);
+    case 16: return rows_kernel_bt<E, 16>(ks);
+    case 32: return rows_kernel_bt<E, 32>(ks);
+    default: return rows_kernel_bt<E, 64>(ks);
+  }
+}
+
+RowsKernel rows_kernel(GemvEpilogue e, int bt, int ks) {
+  switch (e) {
+    case GemvEpilogue::Store: return rows_kernel_e<GemvEpilogue::Store>(bt, ks);
+    case GemvEpilogue::Accumulate: return rows_kernel_e<GemvEpilogue::Accumulate>(bt, ks);
+    default: return rows_kernel_e<GemvEpilogue::GatedSilu>(bt, ks);
   }
 }
 
@@ -517,58 +518,94 @@ int sm_count() {
   return n;
 }
 
-// Batch tile and cluster size from a rough cost model: two blocks fit on a
-// multiprocessor, so a multiprocessor's time is about (blocks it gets) x (one block's
-// bytes: its weights, its x slice, a fixed part for latencies), with a penalty for
-// slices wider than the held registers (several chunks). M3_GEMV_KS / M3_GEMV_BT
-// override (A/B measurements).
+// Shared-memory layout of one (batch tile, cluster size) choice.
+struct RowsLayout {
+  int chunk = 0, row_words = 0, raw_offset = 0, part_offset = 0;
+  size_t smem = 0;
+};
+
+RowsLayout rows_layout(int kblocks, int bt, int ks) {
+  const int slice = (kblocks + ks - 1) / ks;  // widest column slice, in 32-column blocks
+  int chunk = std::max(1, std::min(kHeld, slice));
+  auto words = [](int ck) { return ck * 16 + (ck % 2 == 0 ? 16 : 0); };  // 16 mod 32: no bank conflicts
+  while (chunk > 1 && rows_smem(bt, chunk, words(chunk), chunk >= slice) > kMaxSharedBytesPerBlock - 1024) --chunk;
+  const bool alias = chunk >= slice;
+  RowsLayout l;
+  l.chunk = chunk;
+  l.row_words = words(chunk);
+  l.raw_offset = bt * l.row_words;
+  l.part_offset = l.raw_offset + (alias ? 0 : bt * 32 * chunk);
+  l.smem = rows_smem(bt, chunk, l.row_words, alias);
+  return l;
+}
+
+// Blocks of this kernel the GPU runs at once: clusters must fit within one GPC, so large
+// clusters leave multiprocessors unused (measured: 32 clusters of 7, 30 of 8 at once).
+long resident_blocks(RowsKernel k, int ks, size_t smem) {
+  if (smem > 48 * 1024) {
+    M3_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  }
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(ks, 1, 1);
+  config.blockDim = dim3(kThreads, 1, 1);
+  config.dynamicSmemBytes = smem;
+  int clusters = 0;
+  if (cudaOccupancyMaxActiveClusters(&clusters, reinterpret_cast<const void*>(k), &config) != cudaSuccess ||
+      clusters <= 0) {
+    (void)cudaGetLastError();
+    return 2L * sm_count();
+  }
+  return static_cast<long>(clusters) * ks;
+}
+
+// Batch tile and cluster size from a rough cost model, fitted to H200 measurements: a
+// multiprocessor's time is about (blocks it gets) x (one block's bytes: weights, x slice,
+// a fixed part for latencies), a penalty for slices wider than the held registers
+// (several chunks), times the waves when the grid exceeds what runs at once.
+// M3_GEMV_KS / M3_GEMV_BT override (A/B measurements).
 KernelLaunch plan_rows(const GemvArgs& a) {
   const int kblocks = a.cols / 32;
   const int out_rows_per_block = a.epilogue == GemvEpilogue::GatedSilu ? kRowsPerBlock / 2 : kRowsPerBlock;
   const long row_blocks = (a.out_rows + out_rows_per_block - 1) / out_rows_per_block;
   int max_bt = 8;
   while (max_bt < 64 && max_bt < a.batch) max_bt *= 2;
-  int bt = max_bt, ks = 8;
+  int bt = max_bt, ks = 4;
   double best = 1e30;
   for (int cbt = max_bt; cbt >= 8; cbt /= 2) {
-    for (int cks : {2, 3, 4, 7, 8}) {
+    for (int cks : {2, 4, 8}) {
       const long blocks = row_blocks * ((a.batch + cbt - 1) / cbt) * cks;
       const int slice = (kblocks + cks - 1) / cks;
       const double block_kb = 16.0 + slice * (kRowsPerBlock * 64.0 + cbt * 128.0) / 1024.0 +
                               (slice > kHeld ? 32.0 : 0.0);
-      const double cost = static_cast<double>((blocks + sm_count() - 1) / sm_count()) * block_kb;
+      const long resident = resident_blocks(rows_kernel(a.epilogue, cbt, cks), cks,
+                                            rows_layout(kblocks, cbt, cks).smem);
+      const double cost = static_cast<double>((blocks + sm_count() - 1) / sm_count()) * block_kb *
+                          static_cast<double>((blocks + resident - 1) / resident);
       if (cost < best - 1e-9) best = cost, bt = cbt, ks = cks;
     }
   }
   const int env_ks = env_int("M3_GEMV_KS", 0), env_bt = env_int("M3_GEMV_BT", 0);
-  if (env_ks == 2 || env_ks == 3 || env_ks == 4 || env_ks == 7 || env_ks == 8) ks = env_ks;
+  if (env_ks == 2 || env_ks == 4 || env_ks == 8) ks = env_ks;
   if (env_bt == 8 || env_bt == 16 || env_bt == 32 || env_bt == 64) bt = env_bt;
 
-  RowsParams p{static_cast<const __nv_bfloat16*>(a.weight), a.out_rows, a.cols, a.x, a.x_stride,
-               a.norm_weight, a.norm_eps, a.y, a.y_stride, a.batch, 0, 0, 0, 0};
-  const int slice = (kblocks + ks - 1) / ks;  // widest column slice, in 32-column blocks
-  int chunk = std::max(1, std::min(kHeld, slice));
-  auto words = [](int ck) { return ck * 16 + (ck % 2 == 0 ? 16 : 0); };  // 16 mod 32: no bank conflicts
-  while (chunk > 1 && rows_smem(bt, chunk, words(chunk), chunk >= slice) > kMaxSharedBytesPerBlock - 1024) --chunk;
-  const bool alias = chunk >= slice;
-  p.chunk_kb = chunk;
-  p.x_row_words = words(chunk);
-  p.raw_offset = bt * p.x_row_words;
-  p.part_offset = p.raw_offset + (alias ? 0 : bt * 32 * chunk);
-  const size_t smem = rows_smem(bt, chunk, p.x_row_words, alias);
-  switch (a.epilogue) {
-    case GemvEpilogue::Store: return plan_rows1<GemvEpilogue::Store>(a, p, smem, bt, ks);
-    case GemvEpilogue::Accumulate: return plan_rows1<GemvEpilogue::Accumulate>(a, p, smem, bt, ks);
-    default: return plan_rows1<GemvEpilogue::GatedSilu>(a, p, smem, bt, ks);
-  }
+  const RowsLayout l = rows_layout(kblocks, bt, ks);
+  const RowsParams p{static_cast<const __nv_bfloat16*>(a.weight), a.out_rows, a.cols, a.x, a.x_stride,
+                     a.norm_weight, a.norm_eps, a.y, a.y_stride, a.batch, l.chunk, l.row_words,
+                     l.raw_offset, l.part_offset};
+  const dim3 grid(((a.batch + bt - 1) / bt) * ks, row_blocks);
+  return KernelLaunch::make("gemv_mma", rows_kernel(a.epilogue, bt, ks), grid, dim3(kThreads), l.smem, p);
 }
 
 // M3_GEMV_MMA_ROWS=0 keeps the older 16-row kernel (A/B); M3_GEMV_MMA_ROWS_MIN_BATCH
-// moves the batch from which the row-block kernel is used.
+// moves the batch from which the row-block kernel is used. Below batch 8 it is used only
+// for matrices of many row blocks (measured at batch 4 on H200: in_proj 6.8 -> 5.9 us,
+// but out_proj, 7 row blocks, 4.5 -> 4.9 us).
 bool use_rows_kernel(const GemvArgs& a) {
   static const int min_b = env_int("M3_GEMV_MMA_ROWS_MIN_BATCH", 4);
   static const bool on = env_int("M3_GEMV_MMA_ROWS", 1) != 0;
-  return on && a.batch >= min_b;
+  const int out_rows_per_block = a.epilogue == GemvEpilogue::GatedSilu ? kRowsPerBlock / 2 : kRowsPerBlock;
+  const int row_blocks = (a.out_rows + out_rows_per_block - 1) / out_rows_per_block;
+  return on && a.batch >= min_b && (a.batch >= 8 || row_blocks >= 16);
 }
 }  // namespace
 
