@@ -10,6 +10,7 @@
 #include "kernels/gemv_mma.cuh"
 
 #include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 #include <stdexcept>
 #include <string>
@@ -593,6 +594,10 @@ KernelLaunch plan_rows(const GemvArgs& a) {
                      a.norm_weight, a.norm_eps, a.y, a.y_stride, a.batch, l.chunk, l.row_words,
                      l.raw_offset, l.part_offset};
   const dim3 grid(((a.batch + bt - 1) / bt) * ks, row_blocks);
+  if (env_int("M3_GEMV_VERBOSE", 0) != 0) {
+    std::fprintf(stderr, "gemv_mma rows %dx%d batch %d: batch tile %d, cluster %d, grid %ux%u, chunk %d, smem %zu\n",
+                 a.out_rows, a.cols, a.batch, bt, ks, grid.x, grid.y, l.chunk, l.smem);
+  }
   return KernelLaunch::make("gemv_mma", rows_kernel(a.epilogue, bt, ks), grid, dim3(kThreads), l.smem, p);
 }
 
