@@ -1,6 +1,7 @@
 // gemv against a float64 CPU twin on random odd sizes: every epilogue, with and without
 // the fused RMSNorm prologue, bf16 and fp32 weights, batches that fill partial tiles.
 #include <cmath>
+#include <cstdlib>
 #include <string>
 
 #include "gpu_test_util.h"
@@ -27,7 +28,7 @@ std::string name_of(const GemvCase& c) {
          (c.norm ? " norm" : "") + (c.type == WeightType::BF16 ? " bf16" : " fp32");
 }
 
-void run_case(const GemvCase& c, uint32_t seed) {
+std::vector<float> run_case(const GemvCase& c, uint32_t seed) {
   SCOPED_TRACE(name_of(c));
   const int w_rows = c.epilogue == GemvEpilogue::GatedSilu ? 2 * c.out_rows : c.out_rows;
   const int x_stride = c.cols + 4, y_stride = c.out_rows + 3;
@@ -94,6 +95,7 @@ void run_case(const GemvCase& c, uint32_t seed) {
   // Padding columns of y (past out_rows) are untouched.
   for (int b = 0; b < c.batch; ++b)
     for (int r = c.out_rows; r < y_stride; ++r) EXPECT_EQ(got[b * y_stride + r], y0[b * y_stride + r]);
+  return got;
 }
 
 TEST(GemvKernel, MatchesTwinOnOddSizes) {
@@ -121,6 +123,45 @@ TEST(GemvKernel, TensorCorePathMatchesTwin) {
     run_case({67, 896, batch, GemvEpilogue::Accumulate, false, WeightType::BF16}, seed++);
     run_case({33, 128, batch, GemvEpilogue::GatedSilu, true, WeightType::BF16}, seed++);
     run_case({29, 1792, batch, GemvEpilogue::Store, false, WeightType::BF16}, seed++);
+  }
+}
+
+// The row-block tensor-core kernel (128 rows a block, columns split over a cluster):
+// the model's shapes and odd ones, every epilogue, with and without the norm, batches
+// that fill partial tiles, and forced cluster sizes / batch tiles (M3_GEMV_KS,
+// M3_GEMV_BT), which also reach the multi-chunk path (slices wider than the held weights).
+TEST(GemvKernel, RowBlockPathMatchesTwin) {
+  M3_REQUIRE_CUDA_DEVICE();
+  uint32_t seed = 2000;
+  for (int batch : {4, 8, 16, 33, 64}) {
+    run_case({4724, 896, batch, GemvEpilogue::Store, true, WeightType::BF16}, seed++);
+    run_case({896, 1792, batch, GemvEpilogue::Accumulate, false, WeightType::BF16}, seed++);
+    run_case({131, 896, batch, GemvEpilogue::Store, false, WeightType::BF16}, seed++);
+    run_case({75, 512, batch, GemvEpilogue::GatedSilu, true, WeightType::BF16}, seed++);
+    run_case({200, 96, batch, GemvEpilogue::Accumulate, true, WeightType::BF16}, seed++);
+  }
+  run_case({300, 32, 9, GemvEpilogue::Store, true, WeightType::BF16}, seed++);   // one column block
+  run_case({257, 896, 70, GemvEpilogue::Store, true, WeightType::BF16}, seed++);  // two batch tiles
+  struct Forced { const char* ks; const char* bt; };
+  for (Forced f : {Forced{"2", "64"}, Forced{"2", "8"}, Forced{"4", "16"}, Forced{"8", "32"}, Forced{"8", "64"}}) {
+    SCOPED_TRACE(std::string("M3_GEMV_KS=") + f.ks + " M3_GEMV_BT=" + f.bt);
+    setenv("M3_GEMV_KS", f.ks, 1);
+    setenv("M3_GEMV_BT", f.bt, 1);
+    run_case({300, 896, 40, GemvEpilogue::Store, true, WeightType::BF16}, seed++);
+    run_case({130, 1792, 64, GemvEpilogue::Accumulate, false, WeightType::BF16}, seed++);
+    run_case({70, 1024, 17, GemvEpilogue::GatedSilu, true, WeightType::BF16}, seed++);
+  }
+  unsetenv("M3_GEMV_KS");
+  unsetenv("M3_GEMV_BT");
+}
+
+TEST(GemvKernel, RowBlockPathIsDeterministic) {
+  M3_REQUIRE_CUDA_DEVICE();
+  for (int batch : {8, 64}) {
+    const std::vector<float> a = run_case({4096, 896, batch, GemvEpilogue::Store, true, WeightType::BF16}, 77);
+    const std::vector<float> b = run_case({4096, 896, batch, GemvEpilogue::Store, true, WeightType::BF16}, 77);
+    ASSERT_EQ(a.size(), b.size());
+    for (size_t i = 0; i < a.size(); ++i) ASSERT_EQ(a[i], b[i]) << i;
   }
 }
 
