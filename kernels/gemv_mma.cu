@@ -17,8 +17,6 @@
 
 #include "kernels/common.cuh"
 
-#include <cooperative_groups.h>
-
 namespace m3::kernels {
 namespace {
 
@@ -212,6 +210,10 @@ size_t smem_for(int bt, int row_words) {
 constexpr int kHeld = 8;             // 32-column blocks of weights per warp held in registers
 constexpr int kRowsPerBlock = kWarps * 16;
 constexpr int kPartStride = kRowsPerBlock + 4;  // floats per batch column of the partial tile
+// Shared-memory row of the staged bf16 x chunk, in 4-byte words: kHeld 32-column blocks of
+// 16 words plus 16 (16 mod 32: the 8 rows a warp reads at once fall in different banks).
+// A compile-time stride turns the fragment addresses into immediates.
+constexpr int kXWords = kHeld * 16 + 16;
 
 struct RowsParams {
   const __nv_bfloat16* weight;
@@ -237,7 +239,35 @@ __device__ __forceinline__ void cp_async_wait_all() {
   asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;" ::: "memory");
 }
 
-// Dynamic shared memory: bf16 x chunk [BT][x_row_words], fp32 x chunk [BT][32 chunk_kb],
+// Split cluster barrier (sm_90+; KS == 1 falls back to the block barrier): arrive with
+// release semantics once the partial tile is written and wait with acquire just before
+// reading the others' tiles, with independent work between the two.
+template <int KS>
+__device__ __forceinline__ void cluster_arrive_release() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if constexpr (KS > 1) { asm volatile("barrier.cluster.arrive.release;" ::: "memory"); return; }
+#endif
+}
+template <int KS>
+__device__ __forceinline__ void cluster_wait_acquire() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if constexpr (KS > 1) { asm volatile("barrier.cluster.wait.acquire;" ::: "memory"); return; }
+#endif
+  __syncthreads();
+}
+template <int KS>
+__device__ __forceinline__ const float* map_cluster_rank(const float* p, int rank) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if constexpr (KS > 1) {
+    uint64_t out;
+    asm volatile("mapa.u64 %0, %1, %2;" : "=l"(out) : "l"(reinterpret_cast<uint64_t>(p)), "r"(rank));
+    return reinterpret_cast<const float*>(out);
+  }
+#endif
+  return p;
+}
+
+// Dynamic shared memory: bf16 x chunk [BT][kXWords], fp32 x chunk [BT][32 chunk_kb],
 // partial tile [BT][kPartStride] (over the fp32 chunk when one chunk covers the slice).
 size_t rows_smem(int bt, int chunk_kb, int row_words, bool alias) {
   const size_t raw = sizeof(float) * bt * 32 * chunk_kb;
@@ -255,7 +285,7 @@ __global__ void __cluster_dims__(KS, 1, 1) __launch_bounds__(kThreads, 2)
   constexpr bool kGated = E == GemvEpilogue::GatedSilu;
   constexpr int kOutRows = kGated ? kRowsPerBlock / 2 : kRowsPerBlock;
   extern __shared__ float4 smem4[];
-  uint32_t* xs = reinterpret_cast<uint32_t*>(smem4);              // [BT][x_row_words]
+  uint32_t* xs = reinterpret_cast<uint32_t*>(smem4);              // [BT][kXWords]
   float* raw = reinterpret_cast<float*>(smem4) + p.raw_offset;    // [BT][32 chunk_kb] fp32
   float* part = reinterpret_cast<float*>(smem4) + p.part_offset;  // [BT][kPartStride]
   __shared__ float ss_blk[BT];
@@ -294,10 +324,20 @@ __global__ void __cluster_dims__(KS, 1, 1) __launch_bounds__(kThreads, 2)
   // Stage x[b0 .. b0+BT)[32 c0 .. 32 c1) as bf16 (times the norm weight). Warp w copies
   // and converts batch rows w, w+8, ..., so each row's sum of squares is one warp's.
   auto stage = [&](bool first) {
-    const int n4 = (c1 - c0) * 8, col4 = c0 * 8, raw4 = p.chunk_kb * 8;
-    for (int n = warp; n < nb; n += kWarps) {
-      const float4* src = reinterpret_cast<const float4*>(p.x + (size_t)(b0 + n) * p.x_stride) + col4;
-      for (int i = lane; i < n4; i += 32) cp_async16(raw + (size_t)(n * raw4 + i) * 4, src + i);
+    const int n4 = (c1 - c0) * 8, col4 = c0 * 8, raw4 = p.chunk_kb * 8;  // n4 <= 64
+    const bool u0 = lane < n4, u1 = lane + 32 < n4;
+    {
+      const float* src = p.x + (size_t)(b0 + warp) * p.x_stride + (col4 + lane) * 4;
+      float* dst = raw + (warp * raw4 + lane) * 4;
+      const size_t src_step = (size_t)kWarps * p.x_stride;
+      const int dst_step = kWarps * raw4 * 4;
+#pragma unroll
+      for (int r = 0; r < RPW; ++r) {
+        if (warp + kWarps * r < nb) {
+          if (u0) cp_async16(dst + r * dst_step, src + r * src_step);
+          if (u1) cp_async16(dst + r * dst_step + 128, src + r * src_step + 128);
+        }
+      }
     }
     float4 gw[2];
 #pragma unroll
@@ -307,31 +347,38 @@ __global__ void __cluster_dims__(KS, 1, 1) __launch_bounds__(kThreads, 2)
     }
     cp_async_wait_all();  // each warp converts only the rows it copied
     __syncwarp();
-#pragma unroll 4
+    float ssr[RPW];
+#pragma unroll
     for (int r = 0; r < RPW; ++r) {
-      const int n = warp + 8 * r;
+      const int n = warp + kWarps * r;
       float ss = 0.f;
 #pragma unroll
       for (int u = 0; u < 2; ++u) {
         const int i = lane + 32 * u;
-        if (i < n4) {
+        if (u == 0 ? u0 : u1) {
           const float4 x = n < nb ? reinterpret_cast<const float4*>(raw)[n * raw4 + i] : make_float4(0.f, 0.f, 0.f, 0.f);
           ss += x.x * x.x + x.y * x.y + x.z * x.z + x.w * x.w;
           uint2 packed;
           packed.x = pack_bf16(x.x * gw[u].x, x.y * gw[u].y);
           packed.y = pack_bf16(x.z * gw[u].z, x.w * gw[u].w);
-          reinterpret_cast<uint2*>(xs + n * p.x_row_words)[i] = packed;
+          reinterpret_cast<uint2*>(xs + n * kXWords)[i] = packed;
         }
       }
-      if (norm) {
-        ss = warp_sum(ss);
-        if (lane == 0) ss_blk[n] = first ? ss : ss_blk[n] + ss;
+      ssr[r] = ss;
+    }
+    if (norm) {
+      // Lane L < RPW ends with the warp's sum for row warp + 8 L.
+      const float t = warp_sum_many<RPW>(ssr);
+      if (lane < RPW) {
+        const int n = warp + kWarps * lane;
+        ss_blk[n] = first ? t : ss_blk[n] + t;
       }
     }
   };
   // All of a chunk's weights are held, so the 16x8 output tiles are finished per chunk,
   // TG at a time (TG independent mma chains), and go straight to the partial tile (added
   // to it after the first chunk). part[n][r] for this warp's rows r is this warp's alone.
+  const uint32_t* xg = xs + g * kXWords + 4 * c;
   auto consume = [&](bool first) {
 #pragma unroll
     for (int t0 = 0; t0 < NT; t0 += TG) {
@@ -343,7 +390,7 @@ __global__ void __cluster_dims__(KS, 1, 1) __launch_bounds__(kThreads, 2)
         if (c0 + j < c1) {
 #pragma unroll
           for (int t = 0; t < TG; ++t) {
-            const uint4 xv = *reinterpret_cast<const uint4*>(xs + ((t0 + t) * 8 + g) * p.x_row_words + j * 16 + 4 * c);
+            const uint4 xv = *reinterpret_cast<const uint4*>(xg + ((t0 + t) * 8) * kXWords + j * 16);
             mma_bf16(d[t], ha[j].x, hb[j].x, ha[j].y, hb[j].y, xv.x, xv.y);
             mma_bf16(d[t], ha[j].z, hb[j].z, ha[j].w, hb[j].w, xv.z, xv.w);
           }
@@ -378,6 +425,10 @@ __global__ void __cluster_dims__(KS, 1, 1) __launch_bounds__(kThreads, 2)
     consume(false);
   }
   allow_next_kernel();
+  // This block's partial tile (and sums of squares) are complete: tell the cluster
+  // (release: the shared-memory writes become visible to the blocks that wait below), and
+  // prepare the reduction while the others catch up.
+  cluster_arrive_release<KS>();
 
   // This block finishes 4-row groups [grp0, grp1) of the block's output rows, for all
   // batch columns: item i -> (column n, group). Accumulate's y values are loaded before
@@ -398,9 +449,14 @@ __global__ void __cluster_dims__(KS, 1, 1) __launch_bounds__(kThreads, 2)
       float v[4] = {0.f, 0.f, 0.f, 0.f};
       if (item_n[it] < nb) {
         const float* src = p.y + (size_t)(b0 + n) * p.y_stride + out_base + item_r[it];
+        if (out_base + item_r[it] + 3 < p.out_rows && (reinterpret_cast<uintptr_t>(src) & 15) == 0) {
+          const float4 t = *reinterpret_cast<const float4*>(src);
+          v[0] = t.x; v[1] = t.y; v[2] = t.z; v[3] = t.w;
+        } else {
 #pragma unroll
-        for (int e = 0; e < 4; ++e)
-          if (out_base + item_r[it] + e < p.out_rows) v[e] = src[e];
+          for (int e = 0; e < 4; ++e)
+            if (out_base + item_r[it] + e < p.out_rows) v[e] = src[e];
+        }
       }
       yold[it] = make_float4(v[0], v[1], v[2], v[3]);
     }
@@ -408,23 +464,9 @@ __global__ void __cluster_dims__(KS, 1, 1) __launch_bounds__(kThreads, 2)
 
   const float* pq[KS];
   const float* sq[KS];
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  namespace cg = cooperative_groups;
-  cg::cluster_group cluster = cg::this_cluster();
-  if constexpr (KS > 1) {
-    cluster.sync();
 #pragma unroll
-    for (int q = 0; q < KS; ++q) {
-      pq[q] = cluster.map_shared_rank(part, q);
-      sq[q] = cluster.map_shared_rank(&ss_blk[0], q);
-    }
-  } else
-#endif
-  {
-    __syncthreads();
-#pragma unroll
-    for (int q = 0; q < KS; ++q) pq[q] = part, sq[q] = ss_blk;
-  }
+  for (int q = 0; q < KS; ++q) pq[q] = map_cluster_rank<KS>(part, q), sq[q] = map_cluster_rank<KS>(&ss_blk[0], q);
+  cluster_wait_acquire<KS>();
 
   // Every remote load first, then the sums (in rank order: deterministic).
   float4 va[kItems][KS], vg[kGated ? kItems : 1][KS];
@@ -442,10 +484,11 @@ __global__ void __cluster_dims__(KS, 1, 1) __launch_bounds__(kThreads, 2)
       }
     }
   }
+  float4 res[kItems];
 #pragma unroll
   for (int it = 0; it < kItems; ++it) {
+    res[it] = make_float4(0.f, 0.f, 0.f, 0.f);
     if (item_n[it] >= nb) continue;
-    const int n = item_n[it];
     float4 a = va[it][0], gt = make_float4(0.f, 0.f, 0.f, 0.f);
     if constexpr (kGated) gt = vg[it][0];
     float ssum = vs[it][0];
@@ -458,21 +501,34 @@ __global__ void __cluster_dims__(KS, 1, 1) __launch_bounds__(kThreads, 2)
       ssum += vs[it][q];
     }
     const float scale = norm ? rsqrtf(ssum / cols + p.norm_eps) : 1.f;
-    const float av[4] = {a.x, a.y, a.z, a.w}, gv[4] = {gt.x, gt.y, gt.z, gt.w};
+    a.x *= scale; a.y *= scale; a.z *= scale; a.w *= scale;
+    if constexpr (kGated) a = make_float4(a.x * silu(gt.x * scale), a.y * silu(gt.y * scale),
+                                          a.z * silu(gt.z * scale), a.w * silu(gt.w * scale));
+    res[it] = a;
+  }
+  // This block is done with the others' shared memory: say so before its own stores
+  // (release orders the remote loads, which the sums above already waited for, so the
+  // fence finds nothing outstanding; after the stores it waited for them).
+  cluster_arrive_release<KS>();
+#pragma unroll
+  for (int it = 0; it < kItems; ++it) {
+    if (item_n[it] >= nb) continue;
+    const int n = item_n[it];
+    const float av[4] = {res[it].x, res[it].y, res[it].z, res[it].w};
     const float yv[4] = {yold[it].x, yold[it].y, yold[it].z, yold[it].w};
     float* out = p.y + (size_t)(b0 + n) * p.y_stride + out_base + item_r[it];
+    float v[4];
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      if (out_base + item_r[it] + e >= p.out_rows) continue;
-      const float v = av[e] * scale;
-      if constexpr (E == GemvEpilogue::Store) out[e] = v;
-      if constexpr (E == GemvEpilogue::Accumulate) out[e] = yv[e] + v;
-      if constexpr (E == GemvEpilogue::GatedSilu) out[e] = v * silu(gv[e] * scale);
+    for (int e = 0; e < 4; ++e) v[e] = E == GemvEpilogue::Accumulate ? yv[e] + av[e] : av[e];
+    if (out_base + item_r[it] + 3 < p.out_rows && (reinterpret_cast<uintptr_t>(out) & 15) == 0) {
+      *reinterpret_cast<float4*>(out) = make_float4(v[0], v[1], v[2], v[3]);  // one 16-byte store
+    } else {
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        if (out_base + item_r[it] + e < p.out_rows) out[e] = v[e];
     }
   }
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  if constexpr (KS > 1) cluster.sync();  // keep this block's shared memory until all have read it
-#endif
+  cluster_wait_acquire<KS>();  // keep this block's shared memory until all have read it
 }
 
 using RowsKernel = void (*)(RowsParams);
@@ -528,7 +584,7 @@ struct RowsLayout {
 RowsLayout rows_layout(int kblocks, int bt, int ks) {
   const int slice = (kblocks + ks - 1) / ks;  // widest column slice, in 32-column blocks
   int chunk = std::max(1, std::min(kHeld, slice));
-  auto words = [](int ck) { return ck * 16 + (ck % 2 == 0 ? 16 : 0); };  // 16 mod 32: no bank conflicts
+  auto words = [](int) { return kXWords; };  // the kernel's compile-time stride
   while (chunk > 1 && rows_smem(bt, chunk, words(chunk), chunk >= slice) > kMaxSharedBytesPerBlock - 1024) --chunk;
   const bool alias = chunk >= slice;
   RowsLayout l;

@@ -20,6 +20,7 @@ struct GemvCase {
   GemvEpilogue epilogue;
   bool norm;
   WeightType type;
+  int y_pad = 3;  // y_stride = out_rows + y_pad (3: rows past the first are not 16-byte aligned)
 };
 
 std::string name_of(const GemvCase& c) {
@@ -31,7 +32,7 @@ std::string name_of(const GemvCase& c) {
 std::vector<float> run_case(const GemvCase& c, uint32_t seed) {
   SCOPED_TRACE(name_of(c));
   const int w_rows = c.epilogue == GemvEpilogue::GatedSilu ? 2 * c.out_rows : c.out_rows;
-  const int x_stride = c.cols + 4, y_stride = c.out_rows + 3;
+  const int x_stride = c.cols + 4, y_stride = c.out_rows + c.y_pad;
   std::vector<float> w = testing::random_floats(static_cast<size_t>(w_rows) * c.cols, seed);
   if (c.type == WeightType::BF16) w = testing::round_bf16(w);
   const std::vector<float> x = testing::random_floats(static_cast<size_t>(c.batch) * x_stride, seed + 1, -2.f, 2.f);
@@ -139,6 +140,14 @@ TEST(GemvKernel, RowBlockPathMatchesTwin) {
     run_case({131, 896, batch, GemvEpilogue::Store, false, WeightType::BF16}, seed++);
     run_case({75, 512, batch, GemvEpilogue::GatedSilu, true, WeightType::BF16}, seed++);
     run_case({200, 96, batch, GemvEpilogue::Accumulate, true, WeightType::BF16}, seed++);
+  }
+  // 16-byte aligned rows of y (the vector load / store path of the row-block kernel's
+  // epilogue), with a partial last group of 4 rows in the odd case.
+  for (int batch : {16, 64}) {
+    run_case({896, 1792, batch, GemvEpilogue::Accumulate, false, WeightType::BF16, 0}, seed++);
+    run_case({4724, 896, batch, GemvEpilogue::Store, true, WeightType::BF16, 0}, seed++);
+    run_case({131, 896, batch, GemvEpilogue::Accumulate, true, WeightType::BF16, 1}, seed++);
+    run_case({70, 512, batch, GemvEpilogue::GatedSilu, true, WeightType::BF16, 2}, seed++);
   }
   run_case({300, 32, 9, GemvEpilogue::Store, true, WeightType::BF16}, seed++);   // one column block
   run_case({257, 896, 70, GemvEpilogue::Store, true, WeightType::BF16}, seed++);  // two batch tiles
