@@ -1,4 +1,4 @@
-// Tensor-core variant of plan_gemv (gemv.cuh) for bf16 weights at batch >= 4. x is
+// Tensor-core variant of plan_gemv (gemv.cuh) for bf16 weights at batch >= 2. x is
 // rounded to bf16 on the way in (fp32 accumulation), so fp32-weight engines never use it.
 #pragma once
 

@@ -147,7 +147,7 @@ TEST_F(CudaEngineTest, MatchesCpuEngineBf16) {
 TEST_F(CudaEngineTest, GraphReplayEqualsDirectLaunchesAndBucketsAreIndependent) {
   M3_REQUIRE_CUDA_DEVICE();
   load(testing::small_config());
-  // fp32 weights: bf16 engines round x to bf16 in the tensor-core gemv (batch >= 4), so a
+  // fp32 weights: bf16 engines round x to bf16 in the tensor-core gemv (batch >= 2), so a
   // one-slot bf16 engine would not match a batched one to 1e-6.
   auto graphed = cuda(6, WeightDType::F32, true);
   auto direct = cuda(6, WeightDType::F32, false);
