@@ -5,6 +5,7 @@
 #include <string>
 
 #include "kernels/common.cuh"
+#include "kernels/gemv_operands.cuh"
 #include "kernels/gemv_mma.cuh"
 
 namespace m3::kernels {
@@ -15,17 +16,7 @@ constexpr int kThreads = kWarps * 32;
 static_assert(sizeof(float) * kWarps * 8 <= kMaxSharedBytesPerBlock, "static shared memory");
 
 template <typename W>
-struct GemvParams {
-  const W* weight;
-  int out_rows, cols;
-  const float* x;
-  int x_stride;
-  const float* norm_weight;
-  float norm_eps;
-  float* y;
-  int y_stride;
-  int batch;
-};
+using GemvParams = GemvOperands<W>;
 
 template <typename W>
 struct WeightChunk;  // 8 consecutive weights as raw 16-byte words
@@ -216,8 +207,7 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(const GemvParams<W> p) {
 
 template <typename W, int BT, int RPW, GemvEpilogue E>
 KernelLaunch plan_variant(const GemvArgs& a) {
-  GemvParams<W> p{static_cast<const W*>(a.weight), a.out_rows, a.cols, a.x, a.x_stride,
-                  a.norm_weight, a.norm_eps, a.y, a.y_stride, a.batch};
+  const GemvParams<W> p = gemv_operands<W>(a);
   const int rows_per_block = kWarps * RPW;
   const dim3 grid((a.batch + BT - 1) / BT, (a.out_rows + rows_per_block - 1) / rows_per_block);
   const size_t smem = sizeof(float) * BT * a.cols;  // + static partial sums (checked at make)

@@ -5,6 +5,7 @@
 #include <string>
 
 #include "kernels/common.cuh"
+#include "kernels/mimo_state.cuh"
 
 namespace m3::kernels {
 namespace {
@@ -66,15 +67,7 @@ __global__ void __launch_bounds__(kThreads, 2) mimo_step_kernel(const MimoParams
   const bool fused = a.out_proj != nullptr;
 
   // --- independent of the previous kernel ---
-  const int slot = a.slots[b];
-  const int parity = a.parities[b] & 1;
-  float* st = a.state + slot * a.slot_stride + a.layer_offset;
-  float* ssm = st + prm.layout.ssm + (int64_t)h * P * N;
-  float* xprev = st + prm.layout.x_prev + (int64_t)h * P;
-  const float* angle_old = st + prm.layout.angle + (int64_t)parity * H * S + h * S;
-  float* angle_new = st + prm.layout.angle + (int64_t)(1 - parity) * H * S + h * S;
-  const float* kprev_old = st + prm.layout.k_prev + (int64_t)parity * H * R * N + (int64_t)h * R * N;
-  float* kprev_new = st + prm.layout.k_prev + (int64_t)(1 - parity) * H * R * N + (int64_t)h * R * N;
+  const auto [ssm, xprev, angle_old, angle_new, kprev_old, kprev_new] = mimo_head_state(a, prm.layout, b, h);
 
   float4 sv[kRowsPerWarp][NV];  // first group of state rows
   auto load_rows = [&](int g0) {

@@ -28,6 +28,7 @@
 #include <string>
 
 #include "kernels/common.cuh"
+#include "kernels/mimo_state.cuh"
 #include "kernels/mimo_step.cuh"
 
 namespace m3::kernels {
@@ -96,7 +97,7 @@ __global__ void __launch_bounds__(128 * CS, CS == 1 ? 4 : (CS == 2 ? 3 : 1)) mim
   constexpr int kEI = (R * 64 + kT - 1) / kT;  // epilogue parameters per array per thread
   constexpr int kBI = (R * 128 + kT - 1) / kT; // in_proj B (and C) values per thread
   const MimoStepArgs& a = prm.a;
-  const int H = a.heads, P = a.headdim, N = a.d_state, S = a.n_angles;
+  const int P = a.headdim, N = a.d_state, S = a.n_angles;
   const int tid = threadIdx.x;
   const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int rt = warp & 3, ch = warp >> 2;
@@ -118,16 +119,8 @@ __global__ void __launch_bounds__(128 * CS, CS == 1 ? 4 : (CS == 2 ? 3 : 1)) mim
   const int pi0 = a.mimo_rotation ? pair : 2 * pair, pi1 = a.mimo_rotation ? pair + half : 2 * pair + 1;
 
   const int h = blockIdx.x, b = blockIdx.y;
-  const int slot = a.slots[b];
   // --- independent of the previous kernel: state rows, k_prev, parameters ---
-  const int parity = a.parities[b] & 1;
-  float* st = a.state + slot * a.slot_stride + a.layer_offset;
-  float* ssm = st + prm.layout.ssm + (int64_t)h * P * N;
-  float* xprev = st + prm.layout.x_prev + (int64_t)h * P;
-  const float* angle_old = st + prm.layout.angle + (int64_t)parity * H * S + h * S;
-  float* angle_new = st + prm.layout.angle + (int64_t)(1 - parity) * H * S + h * S;
-  const float* kprev_old = st + prm.layout.k_prev + (int64_t)parity * H * RN + (int64_t)h * RN;
-  float* kprev_new = st + prm.layout.k_prev + (int64_t)(1 - parity) * H * RN + (int64_t)h * RN;
+  const auto [ssm, xprev, angle_old, angle_new, kprev_old, kprev_new] = mimo_head_state(a, prm.layout, b, h);
 
   float4 sv[NG][2];  // rows p0 + g and p0 + g + 8, columns 16m + 4t .. + 3
   const float* row_g = ssm + (int64_t)(p0 + g) * N + 4 * t;
