@@ -3,10 +3,8 @@
 namespace m3 {
 
 ConverseReactor::ConverseReactor(ServiceContext& ctx, grpc::CallbackServerContext* call)
-    : ctx_(ctx), call_(call), start_(Clock::now()) {
+    : ctx_(ctx), call_(call), start_(Clock::now()), writer_(ctx) {
   session_id_ = ctx.make_request_id("conv-");
-  if (ctx.tokenizer) detokenizer_ = std::make_unique<StreamDetokenizer>(*ctx.tokenizer);
-  tokens_.reserve(ctx.stream_buffer_tokens);
   StartRead(&request_);
 }
 
@@ -152,36 +150,27 @@ void ConverseReactor::fail(const std::string& message) {
 }
 
 void ConverseReactor::flush() {
-  for (;;) {
-    TokenOutbox::Item item = seq_->outbox().take(&tokens_);
-    switch (item.kind) {
-      case TokenOutbox::Item::kNothing:
-        return;
-      case TokenOutbox::Item::kTokens: {
-        if (write_failed_) continue;
-        fill_tokens(tokens_, detokenizer_.get(), &text_, response_.mutable_tokens());
-        StartWrite(&response_);
-        return;
-      }
-      case TokenOutbox::Item::kTurnEnd: {
-        if (write_failed_) continue;
-        v1::TurnFinished* f = response_.mutable_turn_finished();
-        f->set_turn(item.turn_end.turn);
-        f->set_reason(to_proto(item.turn_end.reason));
-        fill_timings(item.turn_end.stats, f->mutable_timings());
-        StartWrite(&response_);
-        return;
-      }
-      case TokenOutbox::Item::kClosed:
-        complete(item.status, item.message);
-        return;
-    }
+  TokenOutbox::Item closed;
+  const auto fill_turn_finished = [](const TurnEnd& end, v1::ConverseResponse* response) {
+    v1::TurnFinished* f = response->mutable_turn_finished();
+    f->set_turn(end.turn);
+    f->set_reason(to_proto(end.reason));
+    fill_timings(end.stats, f->mutable_timings());
+  };
+  switch (writer_.next(*seq_, fill_turn_finished, &closed)) {
+    case OutboxWriter<v1::ConverseResponse>::Next::kWrite:
+      StartWrite(writer_.response());
+      return;
+    case OutboxWriter<v1::ConverseResponse>::Next::kClosed:
+      complete(closed.status, closed.message);
+      return;
+    case OutboxWriter<v1::ConverseResponse>::Next::kIdle:
+      return;
   }
 }
 
 void ConverseReactor::OnWriteDone(bool ok) {
-  if (!ok && !write_failed_) {
-    write_failed_ = true;
+  if (writer_.first_failure(ok)) {
     request_cancel_for_call_end(*seq_, *call_);
     ctx_.scheduler->wake();
   }

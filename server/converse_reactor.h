@@ -11,6 +11,7 @@
 
 #include "m3serve.grpc.pb.h"
 #include "model/tokenizer.h"
+#include "server/outbox_writer.h"
 #include "server/sequence.h"
 #include "server/service_context.h"
 
@@ -51,12 +52,7 @@ class ConverseReactor final
   std::mutex seq_mu_;  // seq_ is set by the reader and read by OnCancel
   std::shared_ptr<Sequence> seq_;
 
-  // Writer state.
-  v1::ConverseResponse response_;
-  std::vector<int32_t> tokens_;
-  std::unique_ptr<StreamDetokenizer> detokenizer_;
-  std::string text_;
-  bool write_failed_ = false;
+  OutboxWriter<v1::ConverseResponse> writer_;
 };
 
 }  // namespace m3

@@ -4,7 +4,7 @@ namespace m3 {
 
 GenerateReactor::GenerateReactor(ServiceContext& ctx, grpc::CallbackServerContext* call,
                                  const v1::GenerateRequest* request)
-    : ctx_(ctx), call_(call), start_(Clock::now()) {
+    : ctx_(ctx), call_(call), start_(Clock::now()), writer_(ctx) {
   request_id_ = request->request_id().empty() ? ctx.make_request_id("gen-") : request->request_id();
   std::vector<int32_t> prompt;
   std::string error = check_generate_request(*request, ctx.limits);
@@ -21,8 +21,6 @@ GenerateReactor::GenerateReactor(ServiceContext& ctx, grpc::CallbackServerContex
   params.max_new_tokens = request->max_new_tokens();
   params.stop_token_ids.assign(request->stop_token_ids().begin(), request->stop_token_ids().end());
   params.deadline = steady_deadline(call->deadline());
-  if (ctx.tokenizer) detokenizer_ = std::make_unique<StreamDetokenizer>(*ctx.tokenizer);
-  tokens_.reserve(ctx.stream_buffer_tokens);
 
   seq_ = std::make_shared<Sequence>(std::move(params), ctx.stream_buffer_tokens, this);
   seq_->add_input(prompt);
@@ -53,37 +51,28 @@ std::string GenerateReactor::read_prompt(const v1::GenerateRequest& request,
 }
 
 void GenerateReactor::flush() {
-  for (;;) {
-    TokenOutbox::Item item = seq_->outbox().take(&tokens_);
-    switch (item.kind) {
-      case TokenOutbox::Item::kNothing:
-        return;
-      case TokenOutbox::Item::kTokens: {
-        if (write_failed_) continue;
-        fill_tokens(tokens_, detokenizer_.get(), &text_, response_.mutable_tokens());
-        StartWrite(&response_);
-        return;
-      }
-      case TokenOutbox::Item::kTurnEnd: {
-        if (write_failed_) continue;
-        v1::Finished* f = response_.mutable_finished();
-        f->set_request_id(request_id_);
-        f->set_reason(to_proto(item.turn_end.reason));
-        fill_timings(item.turn_end.stats, f->mutable_timings());
-        f->set_seed(seed_);
-        StartWrite(&response_);
-        return;
-      }
-      case TokenOutbox::Item::kClosed:
-        complete(item.status, item.message);
-        return;
-    }
+  TokenOutbox::Item closed;
+  const auto fill_finished = [this](const TurnEnd& end, v1::GenerateResponse* response) {
+    v1::Finished* f = response->mutable_finished();
+    f->set_request_id(request_id_);
+    f->set_reason(to_proto(end.reason));
+    fill_timings(end.stats, f->mutable_timings());
+    f->set_seed(seed_);
+  };
+  switch (writer_.next(*seq_, fill_finished, &closed)) {
+    case OutboxWriter<v1::GenerateResponse>::Next::kWrite:
+      StartWrite(writer_.response());
+      return;
+    case OutboxWriter<v1::GenerateResponse>::Next::kClosed:
+      complete(closed.status, closed.message);
+      return;
+    case OutboxWriter<v1::GenerateResponse>::Next::kIdle:
+      return;
   }
 }
 
 void GenerateReactor::OnWriteDone(bool ok) {
-  if (!ok && !write_failed_) {
-    write_failed_ = true;
+  if (writer_.first_failure(ok)) {
     request_cancel_for_call_end(*seq_, *call_);
     ctx_.scheduler->wake();
   }

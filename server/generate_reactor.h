@@ -8,6 +8,7 @@
 
 #include "m3serve.grpc.pb.h"
 #include "model/tokenizer.h"
+#include "server/outbox_writer.h"
 #include "server/sequence.h"
 #include "server/service_context.h"
 
@@ -36,12 +37,7 @@ class GenerateReactor final : public grpc::ServerWriteReactor<v1::GenerateRespon
   uint64_t seed_ = 0;
   std::shared_ptr<Sequence> seq_;
 
-  // Writer state: touched only by whoever holds the outbox's writer turn.
-  v1::GenerateResponse response_;
-  std::vector<int32_t> tokens_;
-  std::unique_ptr<StreamDetokenizer> detokenizer_;
-  std::string text_;
-  bool write_failed_ = false;
+  OutboxWriter<v1::GenerateResponse> writer_;
 };
 
 }  // namespace m3

@@ -1,0 +1,71 @@
+// The writer half shared by the stream reactors (Generate, Converse): turns what a
+// Sequence's outbox holds into one response message at a time (tokens coalesced into one
+// Tokens message, then a turn end), and remembers a failed write (the call is gone):
+// after that nothing more is written, but the outbox is still drained to its close.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "model/tokenizer.h"
+#include "server/sequence.h"
+#include "server/service_context.h"
+
+namespace m3 {
+
+template <class Response>
+class OutboxWriter {
+ public:
+  explicit OutboxWriter(const ServiceContext& ctx) {
+    if (ctx.tokenizer) detokenizer_ = std::make_unique<StreamDetokenizer>(*ctx.tokenizer);
+    tokens_.reserve(ctx.stream_buffer_tokens);
+  }
+
+  enum class Next { kIdle, kWrite, kClosed };
+
+  // kWrite: response() holds the next message to write. kClosed: *closed holds the
+  // stream's status. kIdle: nothing more for now (the flusher calls again when there is).
+  // fill_turn_end(const TurnEnd&, Response*) writes a turn end into the response.
+  template <class FillTurnEnd>
+  Next next(Sequence& seq, FillTurnEnd&& fill_turn_end, TokenOutbox::Item* closed) {
+    for (;;) {
+      TokenOutbox::Item item = seq.outbox().take(&tokens_);
+      switch (item.kind) {
+        case TokenOutbox::Item::kNothing:
+          return Next::kIdle;
+        case TokenOutbox::Item::kTokens:
+          if (write_failed_) continue;
+          fill_tokens(tokens_, detokenizer_.get(), &text_, response_.mutable_tokens());
+          return Next::kWrite;
+        case TokenOutbox::Item::kTurnEnd:
+          if (write_failed_) continue;
+          fill_turn_end(item.turn_end, &response_);
+          return Next::kWrite;
+        case TokenOutbox::Item::kClosed:
+          *closed = std::move(item);
+          return Next::kClosed;
+      }
+    }
+  }
+
+  // After a write completes: true the first time a write failed, when the caller must
+  // cancel the sequence (the scheduler then frees its slot and closes the outbox).
+  bool first_failure(bool ok) {
+    if (ok || write_failed_) return false;
+    write_failed_ = true;
+    return true;
+  }
+
+  Response* response() { return &response_; }
+
+ private:
+  // Touched only by whoever holds the outbox's writer turn.
+  Response response_;
+  std::vector<int32_t> tokens_;
+  std::unique_ptr<StreamDetokenizer> detokenizer_;
+  std::string text_;
+  bool write_failed_ = false;
+};
+
+}  // namespace m3
