@@ -150,23 +150,14 @@ void ConverseReactor::fail(const std::string& message) {
 }
 
 void ConverseReactor::flush() {
-  TokenOutbox::Item closed;
   const auto fill_turn_finished = [](const TurnEnd& end, v1::ConverseResponse* response) {
     v1::TurnFinished* f = response->mutable_turn_finished();
     f->set_turn(end.turn);
     f->set_reason(to_proto(end.reason));
     fill_timings(end.stats, f->mutable_timings());
   };
-  switch (writer_.next(*seq_, fill_turn_finished, &closed)) {
-    case OutboxWriter<v1::ConverseResponse>::Next::kWrite:
-      StartWrite(writer_.response());
-      return;
-    case OutboxWriter<v1::ConverseResponse>::Next::kClosed:
-      complete(closed.status, closed.message);
-      return;
-    case OutboxWriter<v1::ConverseResponse>::Next::kIdle:
-      return;
-  }
+  writer_.drain(*seq_, fill_turn_finished, [this](v1::ConverseResponse* response) { StartWrite(response); },
+                [this](StreamStatus status, const std::string& message) { complete(status, message); });
 }
 
 void ConverseReactor::OnWriteDone(bool ok) {

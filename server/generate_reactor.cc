@@ -51,7 +51,6 @@ std::string GenerateReactor::read_prompt(const v1::GenerateRequest& request,
 }
 
 void GenerateReactor::flush() {
-  TokenOutbox::Item closed;
   const auto fill_finished = [this](const TurnEnd& end, v1::GenerateResponse* response) {
     v1::Finished* f = response->mutable_finished();
     f->set_request_id(request_id_);
@@ -59,16 +58,8 @@ void GenerateReactor::flush() {
     fill_timings(end.stats, f->mutable_timings());
     f->set_seed(seed_);
   };
-  switch (writer_.next(*seq_, fill_finished, &closed)) {
-    case OutboxWriter<v1::GenerateResponse>::Next::kWrite:
-      StartWrite(writer_.response());
-      return;
-    case OutboxWriter<v1::GenerateResponse>::Next::kClosed:
-      complete(closed.status, closed.message);
-      return;
-    case OutboxWriter<v1::GenerateResponse>::Next::kIdle:
-      return;
-  }
+  writer_.drain(*seq_, fill_finished, [this](v1::GenerateResponse* response) { StartWrite(response); },
+                [this](StreamStatus status, const std::string& message) { complete(status, message); });
 }
 
 void GenerateReactor::OnWriteDone(bool ok) {

@@ -22,29 +22,30 @@ class OutboxWriter {
     tokens_.reserve(ctx.stream_buffer_tokens);
   }
 
-  enum class Next { kIdle, kWrite, kClosed };
-
-  // kWrite: response() holds the next message to write. kClosed: *closed holds the
-  // stream's status. kIdle: nothing more for now (the flusher calls again when there is).
+  // Takes the outbox's next items until one makes a message, which goes to write(response)
+  // (a gRPC write; its completion calls drain again), or the stream is closed, which goes
+  // to close(status, message), or nothing is left (the flusher calls again when there is).
   // fill_turn_end(const TurnEnd&, Response*) writes a turn end into the response.
-  template <class FillTurnEnd>
-  Next next(Sequence& seq, FillTurnEnd&& fill_turn_end, TokenOutbox::Item* closed) {
+  template <class FillTurnEnd, class Write, class Close>
+  void drain(Sequence& seq, FillTurnEnd&& fill_turn_end, Write&& write, Close&& close) {
     for (;;) {
       TokenOutbox::Item item = seq.outbox().take(&tokens_);
       switch (item.kind) {
         case TokenOutbox::Item::kNothing:
-          return Next::kIdle;
+          return;
         case TokenOutbox::Item::kTokens:
           if (write_failed_) continue;
           fill_tokens(tokens_, detokenizer_.get(), &text_, response_.mutable_tokens());
-          return Next::kWrite;
+          write(&response_);
+          return;
         case TokenOutbox::Item::kTurnEnd:
           if (write_failed_) continue;
           fill_turn_end(item.turn_end, &response_);
-          return Next::kWrite;
+          write(&response_);
+          return;
         case TokenOutbox::Item::kClosed:
-          *closed = std::move(item);
-          return Next::kClosed;
+          close(item.status, item.message);
+          return;
       }
     }
   }
@@ -56,8 +57,6 @@ class OutboxWriter {
     write_failed_ = true;
     return true;
   }
-
-  Response* response() { return &response_; }
 
  private:
   // Touched only by whoever holds the outbox's writer turn.
