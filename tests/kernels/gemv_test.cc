@@ -174,46 +174,36 @@ TEST(GemvKernel, RowBlockPathIsDeterministic) {
   }
 }
 
-TEST(GemvKernel, RejectsColumnsThatBreakVectorLoads) {
-  M3_REQUIRE_CUDA_DEVICE();
+// plan_gemv on a one-vector fp32 problem of `cols` columns must refuse with `expected`.
+void expect_plan_refused(int cols, const std::string& expected) {
   DeviceArray<float> buf(1024);
   kernels::GemvArgs a;
   a.weight = buf.get();
   a.type = WeightType::F32;
   a.out_rows = 4;
-  a.cols = 12;
+  a.cols = cols;
   a.x = buf.get();
-  a.x_stride = 12;
+  a.x_stride = cols;
   a.y = buf.get();
   a.y_stride = 4;
   a.batch = 1;
   try {
     kernels::plan_gemv(a);
-    FAIL() << "expected an error";
+    FAIL() << "expected an error for " << cols << " columns";
   } catch (const std::invalid_argument& e) {
-    EXPECT_NE(std::string(e.what()).find("multiples of 8"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find(expected), std::string::npos) << e.what();
   }
+}
+
+TEST(GemvKernel, RejectsColumnsThatBreakVectorLoads) {
+  M3_REQUIRE_CUDA_DEVICE();
+  expect_plan_refused(12, "multiples of 8");
 }
 
 TEST(GemvKernel, RefusesRowsTooWideForSharedMemory) {
   M3_REQUIRE_CUDA_DEVICE();
-  DeviceArray<float> buf(1024);
-  kernels::GemvArgs a;
-  a.weight = buf.get();
-  a.type = WeightType::F32;
-  a.out_rows = 4;
-  a.cols = 40000;  // 160 KB of fp32 input row: over the RTX 5090's 101,376-byte limit
-  a.x = buf.get();
-  a.x_stride = 40000;
-  a.y = buf.get();
-  a.y_stride = 4;
-  a.batch = 1;
-  try {
-    kernels::plan_gemv(a);
-    FAIL() << "expected an error";
-  } catch (const std::invalid_argument& e) {
-    EXPECT_NE(std::string(e.what()).find("shared memory"), std::string::npos) << e.what();
-  }
+  // 160 KB of fp32 input row: over the RTX 5090's 101,376-byte limit.
+  expect_plan_refused(40000, "shared memory");
 }
 
 }  // namespace
