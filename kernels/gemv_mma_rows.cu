@@ -471,6 +471,19 @@ KernelLaunch plan_gemv_mma_rows(const GemvArgs& a) {
   return KernelLaunch::make("gemv_mma", rows_kernel(a.epilogue, bt, ks), grid, dim3(kThreads), l.smem, p);
 }
 
+namespace {
+// Whether the device launches thread-block clusters (sm_90 and later do; where it does not,
+// the 16-row kernel serves instead of failing at the first launch).
+bool clusters_supported() {
+  static const bool value = [] {
+    int device = 0, v = 0;
+    M3_CUDA_CHECK(cudaGetDevice(&device));
+    return cudaDeviceGetAttribute(&v, cudaDevAttrClusterLaunch, device) == cudaSuccess && v != 0;
+  }();
+  return value;
+}
+}  // namespace
+
 // M3_GEMV_MMA_ROWS=0 keeps the older 16-row kernel (A/B); M3_GEMV_MMA_ROWS_MIN_BATCH
 // moves the batch from which the row-block kernel is used. Below batch 8 it is used only
 // for matrices of many row blocks (measured at batch 4 on H200: in_proj 6.8 -> 5.9 us,
@@ -480,7 +493,7 @@ bool gemv_mma_rows_applies(const GemvArgs& a) {
   static const bool on = env_int("M3_GEMV_MMA_ROWS", 1) != 0;
   const int out_rows_per_block = a.epilogue == GemvEpilogue::GatedSilu ? kRowsPerBlock / 2 : kRowsPerBlock;
   const int row_blocks = (a.out_rows + out_rows_per_block - 1) / out_rows_per_block;
-  return on && a.batch >= min_b && (a.batch >= 8 || row_blocks >= 16);
+  return on && a.batch >= min_b && (a.batch >= 8 || row_blocks >= 16) && clusters_supported();
 }
 
 }  // namespace m3::kernels
