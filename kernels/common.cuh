@@ -150,6 +150,7 @@ __device__ __forceinline__ void prefetch_l2(const L2Prefetch& r) {
 }
 
 __device__ __forceinline__ float silu(float v) { return v / (1.0f + expf(-v)); }
+__device__ __forceinline__ float softplus(float v) { return v > 20.f ? v : log1pf(expf(v)); }
 
 }  // namespace m3::kernels
 #endif

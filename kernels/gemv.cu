@@ -235,13 +235,6 @@ int small_rows_per_warp() {
   return env != nullptr && std::string(env) == "2" ? 2 : 1;
 }
 
-int sm_count() {
-  int device = 0, n = 0;
-  M3_CUDA_CHECK(cudaGetDevice(&device));
-  M3_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
-  return n;
-}
-
 template <typename W, GemvEpilogue E>
 KernelLaunch plan_tile(const GemvArgs& a, int tile) {
   switch (tile) {
@@ -250,7 +243,7 @@ KernelLaunch plan_tile(const GemvArgs& a, int tile) {
       // this GPU, two rows per warp fit the grid into one.
       KernelLaunch one = plan_variant<W, 1, 1, E>(a);
       if (small_rows_per_warp() == 2 ||
-          static_cast<long>(one.grid().y) > static_cast<long>(one.resident_blocks_per_sm(kThreads)) * sm_count()) {
+          static_cast<long>(one.grid().y) > static_cast<long>(one.resident_blocks_per_sm(kThreads)) * multiprocessor_count()) {
         return plan_variant<W, 1, 2, E>(a);
       }
       return one;

@@ -374,21 +374,6 @@ RowsKernel rows_kernel(GemvEpilogue e, int bt, int ks) {
   }
 }
 
-int env_int(const char* name, int fallback) {
-  const char* env = std::getenv(name);
-  return env != nullptr ? std::atoi(env) : fallback;
-}
-
-int sm_count() {
-  static const int n = [] {
-    int device = 0, v = 0;
-    M3_CUDA_CHECK(cudaGetDevice(&device));
-    M3_CUDA_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, device));
-    return v;
-  }();
-  return n;
-}
-
 // Shared-memory layout of one (batch tile, cluster size) choice.
 struct RowsLayout {
   int chunk = 0, row_words = 0, raw_offset = 0, part_offset = 0;
@@ -424,7 +409,7 @@ long resident_blocks(RowsKernel k, int ks, size_t smem) {
   if (cudaOccupancyMaxActiveClusters(&clusters, reinterpret_cast<const void*>(k), &config) != cudaSuccess ||
       clusters <= 0) {
     (void)cudaGetLastError();
-    return 2L * sm_count();
+    return 2L * multiprocessor_count();
   }
   return static_cast<long>(clusters) * ks;
 }
@@ -452,7 +437,7 @@ KernelLaunch plan_gemv_mma_rows(const GemvArgs& a) {
                               (slice > kHeld ? 32.0 : 0.0);
       const long resident = resident_blocks(rows_kernel(a.epilogue, cbt, cks), cks,
                                             rows_layout(kblocks, cbt, cks).smem);
-      const double cost = static_cast<double>((blocks + sm_count() - 1) / sm_count()) * block_kb *
+      const double cost = static_cast<double>((blocks + multiprocessor_count() - 1) / multiprocessor_count()) * block_kb *
                           static_cast<double>((blocks + resident - 1) / resident);
       if (cost < best - 1e-9) best = cost, bt = cbt, ks = cks;
     }

@@ -1,10 +1,23 @@
 #include "kernels/launch.cuh"
 
+#include <cstdlib>
 #include <stdexcept>
 
 #include "kernels/common.cuh"
 
 namespace m3::kernels {
+
+int multiprocessor_count() {
+  int device = 0, n = 0;
+  M3_CUDA_CHECK(cudaGetDevice(&device));
+  M3_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
+  return n;
+}
+
+int env_int(const char* name, int fallback) {
+  const char* env = std::getenv(name);
+  return env != nullptr ? std::atoi(env) : fallback;
+}
 
 void KernelLaunch::check_resources() const {
   cudaFuncAttributes attr{};

@@ -12,6 +12,12 @@
 
 namespace m3::kernels {
 
+// Multiprocessors of the current device (launch planning: waves, grid sizes).
+int multiprocessor_count();
+
+// An integer environment switch for A/B measurements, or `fallback` when unset.
+int env_int(const char* name, int fallback);
+
 class KernelLaunch {
  public:
   static constexpr size_t kMaxParamBytes = 512;

@@ -19,8 +19,6 @@ struct MimoParams {
   int p_chunk;
 };
 
-__device__ __forceinline__ float softplus(float v) { return v > 20.f ? v : log1pf(expf(v)); }
-
 // R: MIMO rank; NV: float4 of a state row per lane (N <= 128 * NV); RW: state rows a
 // warp holds in registers (a block covers 8 * RW rows per pass).
 //

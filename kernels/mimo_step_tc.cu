@@ -23,7 +23,6 @@
 // and a 1/CS share of the N columns. Each lane keeps, per 16-column group m, columns
 // 16m + 4t .. 16m + 4t + 3 of rows g and g + 8 (g = lane / 4, t = lane % 4): two 16-byte
 // loads, the row-major [P][N] state layout of MimoStateLayout unchanged.
-#include <cstdlib>
 #include <stdexcept>
 #include <string>
 
@@ -38,8 +37,6 @@ struct TcParams {
   MimoStepArgs a;
   MimoStateLayout layout;
 };
-
-__device__ __forceinline__ float softplus(float v) { return v > 20.f ? v : log1pf(expf(v)); }
 
 __device__ __forceinline__ uint32_t to_tf32(float v) {
   uint32_t r;
@@ -384,8 +381,7 @@ KernelLaunch plan_cs(const MimoStepArgs& a) {
 // measurements, otherwise 0 (planned below).
 int column_split_override() {
   static const int value = [] {
-    const char* env = std::getenv("M3_MIMO_TC_SPLIT");
-    const int v = env != nullptr ? std::atoi(env) : 0;
+    const int v = env_int("M3_MIMO_TC_SPLIT", 0);
     return v == 1 || v == 2 || v == 4 ? v : 0;
   }();
   return value;
@@ -403,9 +399,7 @@ KernelLaunch plan_rank_tc(const MimoStepArgs& a) {
   if (forced == 1 || groups % 2 != 0) return plan_cs<R, 1>(a);
   KernelLaunch two = plan_cs<R, 2>(a);
   if (forced == 2) return two;
-  int device = 0, sms = 0;
-  M3_CUDA_CHECK(cudaGetDevice(&device));
-  M3_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  const int sms = multiprocessor_count();
   KernelLaunch one = plan_cs<R, 1>(a);
   const int blocks = a.heads * a.batch;
   const bool one_wave_only_with_one = blocks > two.resident_blocks_per_sm(256) * sms &&
