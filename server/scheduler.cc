@@ -3,6 +3,7 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <exception>
 
 #include "server/metrics.h"
@@ -180,6 +181,7 @@ void Scheduler::admit_waiting(Clock::time_point now) {
     Slot& s = slots_[i];
     s.seq = std::move(seq);
     s.phase = Phase::kIdle;
+    s.idle_since = now;
     s.feed.clear();
     s.fed = 0;
     s.reply_requested = false;
@@ -240,7 +242,19 @@ void Scheduler::service_slot(int i, Clock::time_point now) {
                " generated tokens");
     return;
   }
-  if (s.phase == Phase::kReplying || !seq.input_changed()) return;
+  if (s.phase == Phase::kReplying) return;
+  if (!seq.input_changed()) {
+    if (now >= idle_deadline(s)) {
+      char limit[32];
+      std::snprintf(limit, sizeof limit, "%g",
+                    std::chrono::duration<double>(options_.session_idle_timeout).count());
+      finish(i, StreamStatus::kDeadlineExceeded,
+             std::string("session idle: no input within ") + limit +
+                 " s (the server's session_idle_timeout_s) after " + std::to_string(s.turn) +
+                 " finished turns; the session ended and its slot was freed");
+    }
+    return;
+  }
 
   pull_input(s);
   if (s.fed < s.feed.size()) return;  // feeding goes on in the next step
@@ -254,8 +268,20 @@ void Scheduler::service_slot(int i, Clock::time_point now) {
     emit(i, s.last_sample, now);
     return;
   }
-  s.phase = Phase::kIdle;
+  become_idle(s, now);
   if (seq.input_closed_and_empty()) finish(i, StreamStatus::kOk, "");
+}
+
+void Scheduler::become_idle(Slot& s, Clock::time_point now) {
+  if (s.phase != Phase::kIdle) s.idle_since = now;
+  s.phase = Phase::kIdle;
+}
+
+Clock::time_point Scheduler::idle_deadline(const Slot& s) const {
+  if (s.phase != Phase::kIdle || !s.seq->params().session ||
+      options_.session_idle_timeout <= Clock::duration::zero())
+    return Clock::time_point::max();
+  return s.idle_since + options_.session_idle_timeout;
 }
 
 void Scheduler::emit(int i, int32_t token, Clock::time_point now) {
@@ -331,7 +357,7 @@ void Scheduler::end_reply(int i, FinishReason reason, Clock::time_point now) {
     s.feed.push_back(carry);
     s.phase = Phase::kFeeding;
   } else {
-    s.phase = Phase::kIdle;
+    become_idle(s, now);
   }
   seq.mark_input_changed();
 }
@@ -364,11 +390,13 @@ void Scheduler::run() {
 
     // Token boundary: cancellations, deadlines and new input take effect here.
     int n = 0;
+    Clock::time_point next_idle_deadline = Clock::time_point::max();
     for (int i = 0; i < static_cast<int>(slots_.size()); ++i) {
       if (!slots_[i].seq) continue;
       service_slot(i, now);
       const Slot& s = slots_[i];
       if (!s.seq) continue;
+      next_idle_deadline = std::min(next_idle_deadline, idle_deadline(s));
       if (s.phase == Phase::kFeeding) {
         step_slots_[n] = i;
         step_tokens_[n] = s.feed[s.fed];
@@ -384,8 +412,14 @@ void Scheduler::run() {
       flusher_.wake_all(&wake_list_);
       if (metrics_) metrics_->set_batch_size(0);
       std::unique_lock lock(mu_);
-      // A slot freed in this pass may already serve a waiting request.
-      cv_.wait(lock, [&] { return wake_ || stop_ || (!waiting_.empty() && !free_slots_.empty()); });
+      // A slot freed in this pass may already serve a waiting request; an idle session's
+      // time may run out while nothing else happens.
+      const auto woken = [&] { return wake_ || stop_ || (!waiting_.empty() && !free_slots_.empty()); };
+      if (next_idle_deadline == Clock::time_point::max()) {
+        cv_.wait(lock, woken);
+      } else {
+        cv_.wait_until(lock, next_idle_deadline, woken);
+      }
       continue;
     }
 
@@ -417,7 +451,7 @@ void Scheduler::run() {
           s.phase = Phase::kReplying;
           emit(i, token, now);
         } else {
-          s.phase = Phase::kIdle;
+          become_idle(s, now);
           // Input that arrived meanwhile is picked up at the next boundary.
           s.seq->mark_input_changed();
         }

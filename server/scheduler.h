@@ -8,9 +8,9 @@
 // queue; past it, submit() refuses with RESOURCE_EXHAUSTED.
 //
 // A Converse session keeps its slot between turns (the recurrent state is the whole
-// context) and takes no step while it waits for input. The last token of each reply is
-// fed at the start of the next turn, so a session equals one Generate of the
-// concatenated turns and replies.
+// context) and takes no step while it waits for input, for up to the session idle
+// timeout. The last token of each reply is fed at the start of the next turn, so a
+// session equals one Generate of the concatenated turns and replies.
 //
 // Per step the engine thread reads the clock once, touches only preallocated arrays and
 // each stream's ring buffer, and never logs or calls into gRPC.
@@ -40,6 +40,9 @@ class ServerMetrics;
 
 struct SchedulerOptions {
   int queue_capacity = 64;
+  // A Converse session that waits this long for its next input (no turn pending or being
+  // generated) ends with DEADLINE_EXCEEDED and frees its slot; zero: never.
+  Clock::duration session_idle_timeout = Clock::duration::zero();
 };
 
 class Scheduler {
@@ -84,6 +87,7 @@ class Scheduler {
     uint32_t turn = 0;
     uint32_t turn_prompt_tokens = 0;
     Clock::time_point turn_start;  // arrival (turn 0) or end_turn
+    Clock::time_point idle_since;  // when the phase last became kIdle
     Clock::time_point first_token_time;
     Clock::time_point last_token_time;
   };
@@ -92,6 +96,9 @@ class Scheduler {
   void admit_waiting(Clock::time_point now);
   void service_slot(int slot, Clock::time_point now);
   void pull_input(Slot& s);
+  static void become_idle(Slot& s, Clock::time_point now);
+  // When this slot's session runs out of idle time; max() when it is not an idle session.
+  Clock::time_point idle_deadline(const Slot& s) const;
   void emit(int slot, int32_t token, Clock::time_point now);
   void end_reply(int slot, FinishReason reason, Clock::time_point now);
   void finish(int slot, StreamStatus status, std::string message);

@@ -50,6 +50,9 @@ const std::vector<Setting>& settings() {
        "tokens a stream may hold unread before it is cancelled (slow reader)"},
       {"shutdown_grace_s", &ServerConfig::shutdown_grace_s,
        "seconds in-flight streams get to finish on SIGTERM/SIGINT"},
+      {"session_idle_timeout_s", &ServerConfig::session_idle_timeout_s,
+       "seconds a Converse session may wait for its next input before it ends (DEADLINE_EXCEEDED) "
+       "and frees its slot; 0: never"},
       {"log_level", &ServerConfig::log_level, "trace | debug | info | warn | error | off"},
   };
   return kSettings;
@@ -172,6 +175,9 @@ void ServerConfig::validate() const {
   if (!std::isfinite(shutdown_grace_s) || shutdown_grace_s < 0 || shutdown_grace_s > 3600)
     throw std::invalid_argument("shutdown_grace_s must be between 0 and 3600 seconds, got " +
                                 std::to_string(shutdown_grace_s));
+  if (!std::isfinite(session_idle_timeout_s) || session_idle_timeout_s < 0 || session_idle_timeout_s > 86400)
+    throw std::invalid_argument("session_idle_timeout_s must be between 0 (never) and 86400 seconds, got " +
+                                std::to_string(session_idle_timeout_s));
   if (!model.empty() && !std::filesystem::is_directory(model))
     throw std::invalid_argument("model: '" + model + "' is not a directory");
   if (!tokenizer.empty() && !std::filesystem::is_regular_file(tokenizer))

@@ -25,6 +25,7 @@ struct ServerConfig {
   int max_prompt_tokens = 8192;              // per prompt / per pending Converse input
   int stream_buffer_tokens = 1024;           // unread tokens per stream before it is cancelled
   double shutdown_grace_s = 10.0;            // in-flight streams get this long to finish
+  double session_idle_timeout_s = 300.0;     // a Converse session waiting longer for input ends; 0 = never
   std::string log_level = "info";            // trace | debug | info | warn | error | off
 
   // Throws std::invalid_argument naming the setting when a value is out of range.

@@ -1,5 +1,5 @@
 // The scheduler against a scripted engine that records every step: batching, prefill
-// beside decoding, leaving within one step, the bounded queue.
+// beside decoding, leaving within one step, the bounded queue, the session idle timeout.
 #include <gtest/gtest.h>
 
 #include <condition_variable>
@@ -81,6 +81,10 @@ class CollectingWriter final : public StreamWriter {
     std::lock_guard lock(mu_);
     return got_.size();
   }
+  std::string message() {
+    std::lock_guard lock(mu_);
+    return message_;
+  }
   std::vector<int32_t> got() {
     std::lock_guard lock(mu_);
     return got_;
@@ -150,6 +154,63 @@ TEST(SchedulerTest, ACancelledSequenceLeavesWithinOneStep) {
   auto b = start(scheduler, {7}, 2);
   EXPECT_EQ(b->wait_closed(), StreamStatus::kOk);
   EXPECT_EQ(b->got(), (std::vector<int32_t>{8, 9}));
+}
+
+// A Converse-style session on a one-slot engine.
+std::unique_ptr<CollectingWriter> start_session(Scheduler& scheduler) {
+  auto writer = std::make_unique<CollectingWriter>();
+  SequenceParams params;
+  params.session = true;
+  writer->seq = std::make_shared<Sequence>(params, 4096, writer.get());
+  EXPECT_EQ(scheduler.submit(writer->seq).status, StreamStatus::kOk);
+  return writer;
+}
+
+TEST(SchedulerTest, AnIdleSessionEndsAfterTheIdleTimeoutAndFreesItsSlot) {
+  ScriptedEngine engine(1);
+  SchedulerOptions options;
+  options.session_idle_timeout = 300ms;
+  Scheduler scheduler(engine, options, nullptr, nullptr);
+  auto session = start_session(scheduler);
+  session->seq->add_input(std::vector<int32_t>{5, 6});
+  session->seq->end_turn(3);
+  scheduler.wake();
+  while (session->count() < 3) std::this_thread::sleep_for(1ms);
+  const Clock::time_point reply_done = Clock::now();
+  // Waits for the slot the silent session holds.
+  auto waiting = start(scheduler, {1}, 2);
+  EXPECT_EQ(session->wait_closed(), StreamStatus::kDeadlineExceeded);
+  EXPECT_GE(Clock::now() - reply_done, 250ms);  // (the idle clock starts a step or two earlier)
+  EXPECT_EQ(session->got(), (std::vector<int32_t>{7, 8, 9}));
+  EXPECT_EQ(session->message(),
+            "session idle: no input within 0.3 s (the server's session_idle_timeout_s) after 1 "
+            "finished turns; the session ended and its slot was freed");
+  EXPECT_EQ(waiting->wait_closed(), StreamStatus::kOk);
+  EXPECT_EQ(waiting->got(), (std::vector<int32_t>{2, 3}));
+}
+
+TEST(SchedulerTest, ASessionThatGetsItsNextTurnInTimeGoesOn) {
+  ScriptedEngine engine(1);
+  SchedulerOptions options;
+  options.session_idle_timeout = 400ms;
+  Scheduler scheduler(engine, options, nullptr, nullptr);
+  auto session = start_session(scheduler);
+  session->seq->add_input(std::vector<int32_t>{5, 6});
+  session->seq->end_turn(3);
+  scheduler.wake();
+  while (session->count() < 3) std::this_thread::sleep_for(1ms);
+  // Each turn restarts the idle clock: three pauses of 250 ms outlast one timeout.
+  for (int32_t turn = 1; turn <= 3; ++turn) {
+    std::this_thread::sleep_for(250ms);
+    session->seq->add_input(std::vector<int32_t>{10 * turn});
+    session->seq->end_turn(1);
+    scheduler.wake();
+    while (session->count() < 3 + static_cast<size_t>(turn)) std::this_thread::sleep_for(1ms);
+  }
+  session->seq->close_input();
+  scheduler.wake();
+  EXPECT_EQ(session->wait_closed(), StreamStatus::kOk);
+  EXPECT_EQ(session->got(), (std::vector<int32_t>{7, 8, 9, 11, 21, 31}));
 }
 
 TEST(SchedulerTest, TheQueueIsBounded) {

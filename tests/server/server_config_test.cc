@@ -86,6 +86,9 @@ TEST(ServerConfigTest, OutOfRangeValuesAreRefused) {
             "metrics_listen must be host:port (port 0..65535), got ':99999'");
   EXPECT_EQ(error_of([] { from_yaml("shutdown_grace_s: -1\n"); }),
             "shutdown_grace_s must be between 0 and 3600 seconds, got -1.000000");
+  EXPECT_EQ(error_of([] { from_yaml("session_idle_timeout_s: -5\n"); }),
+            "session_idle_timeout_s must be between 0 (never) and 86400 seconds, got -5.000000");
+  EXPECT_EQ(from_yaml("session_idle_timeout_s: 0\n").session_idle_timeout_s, 0.0);  // never
   EXPECT_EQ(error_of([] { from_yaml("model: /nonexistent/model\n"); }),
             "model: '/nonexistent/model' is not a directory");
   EXPECT_EQ(error_of([] { from_yaml("tokenizer: /nonexistent/tok.model\n"); }),

@@ -226,6 +226,42 @@ TEST(ServerTest, DeadlineFreesTheSlot) {
   EXPECT_TRUE(next.status.ok()) << next.status.error_message();
 }
 
+// A Converse client that stops talking without closing its stream: after its reply it
+// has session_idle_timeout_s to send the next turn, then the session ends with
+// DEADLINE_EXCEEDED and the one slot serves the next request.
+TEST(ServerTest, AnIdleConverseSessionEndsAndFreesTheSlot) {
+  ServerConfig config = test_config();
+  config.max_batch = 1;
+  config.queue_capacity = 0;
+  config.session_idle_timeout_s = 0.3;
+  TestServer server(config);
+  grpc::ClientContext ctx;
+  auto stream = server.stub->Converse(&ctx);
+  v1::ConverseRequest input, end;
+  for (int32_t id : kPrompt) input.mutable_input()->add_ids(id);
+  end.mutable_end_turn()->set_max_new_tokens(4);
+  ASSERT_TRUE(stream->Write(input));
+  ASSERT_TRUE(stream->Write(end));
+  std::vector<int32_t> reply;
+  v1::ConverseResponse response;
+  bool turn_finished = false;
+  while (stream->Read(&response)) {
+    if (response.has_tokens()) {
+      for (int32_t id : response.tokens().ids()) reply.push_back(id);
+    } else {
+      turn_finished = response.has_turn_finished();
+    }
+  }
+  const grpc::Status status = stream->Finish();
+  EXPECT_TRUE(turn_finished);
+  EXPECT_EQ(reply, engine_generate(kPrompt, 4));
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
+  EXPECT_NE(status.error_message().find("session_idle_timeout_s"), std::string::npos)
+      << status.error_message();
+  GenerateResult next = generate(*server.stub, generate_request(kPrompt, 3), 5s);
+  EXPECT_TRUE(next.status.ok()) << next.status.error_message();
+}
+
 TEST(ServerTest, OverCapacityIsResourceExhausted) {
   ServerConfig config = test_config();
   config.max_batch = 1;
