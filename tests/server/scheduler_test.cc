@@ -157,12 +157,17 @@ TEST(SchedulerTest, ACancelledSequenceLeavesWithinOneStep) {
 }
 
 // A Converse-style session on a one-slot engine.
+// Its first turn (5, 6 -> 7, 8, 9) is answered before this returns.
 std::unique_ptr<CollectingWriter> start_session(Scheduler& scheduler) {
   auto writer = std::make_unique<CollectingWriter>();
   SequenceParams params;
   params.session = true;
   writer->seq = std::make_shared<Sequence>(params, 4096, writer.get());
   EXPECT_EQ(scheduler.submit(writer->seq).status, StreamStatus::kOk);
+  writer->seq->add_input(std::vector<int32_t>{5, 6});
+  writer->seq->end_turn(3);
+  scheduler.wake();
+  while (writer->count() < 3) std::this_thread::sleep_for(1ms);
   return writer;
 }
 
@@ -172,10 +177,6 @@ TEST(SchedulerTest, AnIdleSessionEndsAfterTheIdleTimeoutAndFreesItsSlot) {
   options.session_idle_timeout = 300ms;
   Scheduler scheduler(engine, options, nullptr, nullptr);
   auto session = start_session(scheduler);
-  session->seq->add_input(std::vector<int32_t>{5, 6});
-  session->seq->end_turn(3);
-  scheduler.wake();
-  while (session->count() < 3) std::this_thread::sleep_for(1ms);
   const Clock::time_point reply_done = Clock::now();
   // Waits for the slot the silent session holds.
   auto waiting = start(scheduler, {1}, 2);
@@ -196,10 +197,6 @@ TEST(SchedulerTest, ASessionThatGetsItsNextTurnInTimeGoesOn) {
   options.session_idle_timeout = 1s;
   Scheduler scheduler(engine, options, nullptr, nullptr);
   auto session = start_session(scheduler);
-  session->seq->add_input(std::vector<int32_t>{5, 6});
-  session->seq->end_turn(3);
-  scheduler.wake();
-  while (session->count() < 3) std::this_thread::sleep_for(1ms);
   // Each turn restarts the idle clock: three pauses of 400 ms outlast one timeout.
   for (int32_t turn = 1; turn <= 3; ++turn) {
     std::this_thread::sleep_for(400ms);
