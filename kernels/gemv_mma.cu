@@ -1,6 +1,7 @@
 // The batched gemv on tensor cores (mma.sync m16n8k16, bf16 in, fp32 accumulate), for
 // bf16 weights from batch 2 (tiles of 8 or 16 columns, zero-padded), where the CUDA-core
-// kernel turns arithmetic-bound; from batch 4 most matrices go to the row-block kernel
+// kernel turns arithmetic-bound; matrices of many row blocks (from batch 2) and every
+// matrix from batch 8 go to the row-block kernel
 // (gemv_mma_rows.cu). Same contract and fusions as gemv.cu (see gemv.cuh).
 //
 // A block owns 16 weight rows and splits the columns over its 8 warps. Each lane loads

@@ -1,4 +1,4 @@
-// The row-block tensor-core gemv (the default for bf16 weights from batch 4; gemv_mma.cu
+// The row-block tensor-core gemv (the default for bf16 weights from batch 2; gemv_mma.cu
 // keeps the 16-row kernel for the rest). Same contract and fusions as gemv.cu (gemv.cuh).
 #include "kernels/gemv_mma_rows.cuh"
 
@@ -472,9 +472,10 @@ bool clusters_supported() {
 // M3_GEMV_MMA_ROWS=0 keeps the older 16-row kernel (A/B); M3_GEMV_MMA_ROWS_MIN_BATCH
 // moves the batch from which the row-block kernel is used. Below batch 8 it is used only
 // for matrices of many row blocks (measured at batch 4 on H200: in_proj 6.8 -> 5.9 us,
-// but out_proj, 7 row blocks, 4.5 -> 4.9 us).
+// but out_proj, 7 row blocks, 4.5 -> 4.9 us). From batch 2 (was 4): the batch-2 step
+// 224 -> 205 us (PERFORMANCE_NOTES.md run 51).
 bool gemv_mma_rows_applies(const GemvArgs& a) {
-  static const int min_b = env_int("M3_GEMV_MMA_ROWS_MIN_BATCH", 4);
+  static const int min_b = env_int("M3_GEMV_MMA_ROWS_MIN_BATCH", 2);
   static const bool on = env_int("M3_GEMV_MMA_ROWS", 1) != 0;
   const int out_rows_per_block = a.epilogue == GemvEpilogue::GatedSilu ? kRowsPerBlock / 2 : kRowsPerBlock;
   const int row_blocks = (a.out_rows + out_rows_per_block - 1) / out_rows_per_block;

@@ -8,7 +8,7 @@
 
 namespace m3::kernels {
 
-// For bf16 arguments gemv_mma_applies accepts: batch >= 4 (M3_GEMV_MMA_ROWS_MIN_BATCH),
+// For bf16 arguments gemv_mma_applies accepts: batch >= 2 (M3_GEMV_MMA_ROWS_MIN_BATCH),
 // and below batch 8 only for matrices of 16 or more row blocks, on devices that launch
 // thread-block clusters; M3_GEMV_MMA_ROWS=0: never.
 bool gemv_mma_rows_applies(const GemvArgs& args);
