@@ -191,10 +191,7 @@ TEST(ServerTest, ConverseInputSentDuringAReplyBelongsToTheNextTurn) {
 }
 
 TEST(ServerTest, CancellationFreesTheSlot) {
-  ServerConfig config = test_config();
-  config.max_batch = 1;
-  config.queue_capacity = 0;
-  TestServer server(config);
+  TestServer server(one_slot_config());
   {
     grpc::ClientContext ctx;
     auto reader = server.stub->Generate(&ctx, generate_request(kPrompt, 100000));
@@ -214,10 +211,7 @@ TEST(ServerTest, CancellationFreesTheSlot) {
 }
 
 TEST(ServerTest, DeadlineFreesTheSlot) {
-  ServerConfig config = test_config();
-  config.max_batch = 1;
-  config.queue_capacity = 0;
-  TestServer server(config);
+  TestServer server(one_slot_config());
   GenerateResult r = generate(*server.stub, generate_request(kPrompt, 100000), 300ms);
   EXPECT_EQ(r.status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
   EXPECT_FALSE(r.tokens.empty());
@@ -230,9 +224,7 @@ TEST(ServerTest, DeadlineFreesTheSlot) {
 // has session_idle_timeout_s to send the next turn, then the session ends with
 // DEADLINE_EXCEEDED and the one slot serves the next request.
 TEST(ServerTest, AnIdleConverseSessionEndsAndFreesTheSlot) {
-  ServerConfig config = test_config();
-  config.max_batch = 1;
-  config.queue_capacity = 0;
+  ServerConfig config = one_slot_config();
   config.session_idle_timeout_s = 0.3;
   TestServer server(config);
   grpc::ClientContext ctx;

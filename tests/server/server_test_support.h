@@ -85,6 +85,15 @@ inline ServerConfig test_config() {
   return c;
 }
 
+// One slot and no queue: a request is refused unless the slot is free, so a test can
+// tell that a stream gave its slot back.
+inline ServerConfig one_slot_config() {
+  ServerConfig c = test_config();
+  c.max_batch = 1;
+  c.queue_capacity = 0;
+  return c;
+}
+
 struct TestServer {
   std::shared_ptr<CountingSink> sink = std::make_shared<CountingSink>();
   std::shared_ptr<spdlog::logger> logger = std::make_shared<spdlog::logger>("m3serve-test", sink);
