@@ -76,6 +76,26 @@ __device__ __forceinline__ float warp_sum_many(float (&v)[N]) {
   return t;
 }
 
+// RMSNorm across a block, in two halves around a __syncthreads: each warp's lane 0 stores
+// the warp's sums of squares (one per vector of the batch tile), then every thread turns
+// the stored partials of vector b into 1 / rms.
+template <int kWarps, int BT>
+__device__ __forceinline__ void store_warp_sums(const float (&ss)[BT], float (&partial)[kWarps][BT]) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+#pragma unroll
+  for (int b = 0; b < BT; ++b) {
+    const float t = warp_sum(ss[b]);
+    if (lane == 0) partial[warp][b] = t;
+  }
+}
+template <int kWarps, int BT>
+__device__ __forceinline__ float inverse_rms(const float (&partial)[kWarps][BT], int b, int cols, float eps) {
+  float s = 0.f;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) s += partial[w][b];
+  return rsqrtf(s / cols + eps);
+}
+
 __device__ __forceinline__ float warp_max(float v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));

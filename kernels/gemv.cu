@@ -124,13 +124,7 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(const GemvParams<W> p) {
       }
     }
   }
-  if (norm) {
-#pragma unroll
-    for (int b = 0; b < BT; ++b) {
-      const float t = warp_sum(ss[b]);
-      if (lane == 0) partial_ss[warp][b] = t;
-    }
-  }
+  if (norm) store_warp_sums(ss, partial_ss);
   __syncthreads();
 
   float acc[NR][BT];
@@ -180,12 +174,7 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(const GemvParams<W> p) {
 #pragma unroll
   for (int b = 0; b < BT; ++b) {
     scale[b] = 1.f;
-    if (norm) {
-      float ss = 0.f;
-#pragma unroll
-      for (int w = 0; w < kWarps; ++w) ss += partial_ss[w][b];
-      scale[b] = rsqrtf(ss / cols + p.norm_eps);
-    }
+    if (norm) scale[b] = inverse_rms(partial_ss, b, cols, p.norm_eps);
   }
 #pragma unroll
   for (int i = 0; i < RPW; ++i) {

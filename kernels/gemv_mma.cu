@@ -96,13 +96,7 @@ __global__ void __launch_bounds__(kThreads) gemv_mma_kernel(const MmaParams p) {
       reinterpret_cast<uint2*>(xs + b * p.x_row_words)[i] = packed;
     }
   }
-  if (norm) {
-#pragma unroll
-    for (int b = 0; b < BT; ++b) {
-      const float t = warp_sum(ss[b]);
-      if (lane == 0) partial_ss[warp][b] = t;
-    }
-  }
+  if (norm) store_warp_sums(ss, partial_ss);
   __syncthreads();
 
   float acc[NT][4];
@@ -142,12 +136,7 @@ __global__ void __launch_bounds__(kThreads) gemv_mma_kernel(const MmaParams p) {
     const int r = idx / BT, n = idx % BT;
     if (n >= nb) continue;
     float scale = 1.f;
-    if (norm) {
-      float s = 0.f;
-#pragma unroll
-      for (int w = 0; w < kWarps; ++w) s += partial_ss[w][n];
-      scale = rsqrtf(s / cols + p.norm_eps);
-    }
+    if (norm) scale = inverse_rms(partial_ss, n, cols, p.norm_eps);
     float a = 0.f, gate = 0.f;
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) {
