@@ -12,7 +12,6 @@
 #include "kernels/gemv_mma.cuh"
 
 #include <algorithm>
-#include <cstdlib>
 #include <stdexcept>
 #include <string>
 
@@ -171,10 +170,7 @@ size_t smem_for(int bt, int row_words) {
 // Measured (s2s-14l step, H200): batch 2 249 -> 224 us on tensor cores (in_proj 8.3 -> 6.5
 // us a layer); batch 1 184 -> 206 (the CUDA-core kernel stays there).
 int min_batch() {
-  static const int value = [] {
-    const char* env = std::getenv("M3_GEMV_MMA_MIN_BATCH");
-    return env != nullptr ? std::max(1, std::atoi(env)) : 2;
-  }();
+  static const int value = std::max(1, env_int("M3_GEMV_MMA_MIN_BATCH", 2));
   return value;
 }
 

@@ -392,8 +392,7 @@ int small_chunk() {
 // out_proj is never fused at whole-head batches.
 int whole_head_min_batch() {
   static const int value = [] {
-    const char* env = std::getenv("M3_MIMO_WHOLE_HEAD_MIN_BATCH");
-    const int v = env != nullptr ? std::atoi(env) : 0;
+    const int v = env_int("M3_MIMO_WHOLE_HEAD_MIN_BATCH", 0);
     return v >= 1 ? v : 4;
   }();
   return value;

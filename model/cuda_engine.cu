@@ -69,9 +69,7 @@ CudaEngine::CudaEngine(const ModelWeights& weights, const EngineOptions& options
   if (const char* env = std::getenv("M3_CUDA_L2_PREFETCH"); env != nullptr) {
     l2_prefetch_ = std::string(env) == "1";
   }
-  if (const char* env = std::getenv("M3_MIMO_TC_MIN_BATCH"); env != nullptr) {
-    mimo_tc_min_batch_ = std::atoi(env);  // 0 or less: never
-  }
+  mimo_tc_min_batch_ = kernels::env_int("M3_MIMO_TC_MIN_BATCH", mimo_tc_min_batch_);  // 0 or less: never
   M3_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
 
   const ModelConfig& c = config_;
