@@ -131,9 +131,19 @@ __device__ __forceinline__ float load1(const float* w) { return *w; }
 // and its writes are visible. Every kernel calls this before touching data another
 // kernel wrote, so the chain stays ordered when launches overlap. A no-op when the
 // kernel was launched without the attribute.
+//
+// ptxas moves a plain griddepcontrol.wait to the top of the kernel, above every load the
+// source issues before it (even asm volatile ones), so the weights a kernel fetches "before
+// the wait" would only be requested after the previous kernel finished. Predicating the wait
+// on the clock, which ptxas cannot know in advance, keeps it where it is written (checked in
+// the SASS with cuobjdump); both branches wait.
 __device__ __forceinline__ void wait_for_previous_kernel() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
+  unsigned now;
+  asm volatile("mov.u32 %0, %%clock;" : "=r"(now));
+  asm volatile(
+      "{\n\t.reg .pred p;\n\tsetp.ne.u32 p, %0, 0;\n\t@p griddepcontrol.wait;\n\t@!p griddepcontrol.wait;\n\t}" ::"r"(now)
+      : "memory");
 #endif
 }
 
