@@ -24,6 +24,7 @@ __global__ void embedding_kernel(const EmbeddingParams<W> p) {
   prefetch_l2(p.prefetch[0]);
   prefetch_l2(p.prefetch[1]);
   wait_for_previous_kernel();
+  allow_next_kernel();  // the first layer's in_proj loads its weights while the rows are copied
   const int b = blockIdx.y;
   int token = p.tokens[b];
   if (token < 0) token = p.last_token[p.slots[b]];
@@ -34,7 +35,6 @@ __global__ void embedding_kernel(const EmbeddingParams<W> p) {
   for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < p.dim; i += gridDim.x * blockDim.x) {
     out[i] = load1(row + i);
   }
-  allow_next_kernel();
 }
 
 template <typename W>

@@ -82,7 +82,9 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(const GemvParams<W> p) {
     }
   }
 
+  if (p.trigger_point == 2) allow_next_kernel();
   wait_for_previous_kernel();
+  if (p.trigger_point == 1) allow_next_kernel();
 
   // Stage the batch tile of x (times the norm weight when normalising; the 1/rms scale is
   // applied to the dot products at the end), zero rows past the batch. The sums of
@@ -168,7 +170,7 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(const GemvParams<W> p) {
       }
     }
   }
-  allow_next_kernel();
+  if (p.trigger_point == 0) allow_next_kernel();
 
   float scale[BT];
 #pragma unroll
@@ -218,20 +220,26 @@ bool use_tensor_cores() {
   return env == nullptr || std::string(env) != "0";
 }
 
-// M3_GEMV_SMALL_RPW=2: two rows per warp at batch 1 whatever the grid (A/B measurements).
+// Rows per warp at batch 1: two (M3_GEMV_SMALL_RPW=1 or 4 for A/B measurements; 1 moves
+// to two only when one row per warp would need a second wave). With the next kernel's
+// blocks launched before this one's wait, half the blocks (s2s-14l in_proj: 296 instead
+// of 591) start their loads sooner beside the running kernel: the batch-1 step 151 -> 136
+// us (H200, PERFORMANCE_NOTES.md run 68; one row: 4 rows per warp 171).
 int small_rows_per_warp() {
-  const char* env = std::getenv("M3_GEMV_SMALL_RPW");
-  return env != nullptr && std::string(env) == "2" ? 2 : 1;
+  static const int rpw = env_int("M3_GEMV_SMALL_RPW", 2);
+  return rpw == 1 || rpw == 4 ? rpw : 2;
 }
 
 template <typename W, GemvEpilogue E>
 KernelLaunch plan_tile(const GemvArgs& a, int tile) {
   switch (tile) {
     case 1: {
+      if (small_rows_per_warp() == 4) return plan_variant<W, 1, 4, E>(a);
+      if (small_rows_per_warp() == 2) return plan_variant<W, 1, 2, E>(a);
       // One row per warp gives the most blocks; when that would need a second wave on
       // this GPU, two rows per warp fit the grid into one.
       KernelLaunch one = plan_variant<W, 1, 1, E>(a);
-      if (small_rows_per_warp() == 2 ||
+      if (
           static_cast<long>(one.grid().y) > static_cast<long>(one.resident_blocks_per_sm(kThreads)) * multiprocessor_count()) {
         return plan_variant<W, 1, 2, E>(a);
       }

@@ -69,7 +69,9 @@ __global__ void __launch_bounds__(kThreads) gemv_mma_kernel(const MmaParams p) {
     }
   }
 
+  if (p.trigger_point == 2) allow_next_kernel();
   wait_for_previous_kernel();
+  if (p.trigger_point == 1) allow_next_kernel();
 
   // Stage x (times the norm weight) as bf16; sums of squares on the side.
   const bool norm = p.norm_weight != nullptr;
@@ -119,7 +121,7 @@ __global__ void __launch_bounds__(kThreads) gemv_mma_kernel(const MmaParams p) {
     const uint4 B = __ldg(reinterpret_cast<const uint4*>(wb + kb * 32));
     consume(A, B, kb);
   }
-  allow_next_kernel();
+  if (p.trigger_point == 0) allow_next_kernel();
 
   // Sum the warps' partial products: red[warp][row][n].
 #pragma unroll

@@ -131,7 +131,9 @@ __global__ void __cluster_dims__(KS, 1, 1) __launch_bounds__(kThreads, 2)
   };
   load_weights();
 
+  if (p.trigger_point == 2) allow_next_kernel();
   wait_for_previous_kernel();
+  if (p.trigger_point == 1) allow_next_kernel();
 
   const bool norm = p.norm_weight != nullptr;
   const float4* nw4 = reinterpret_cast<const float4*>(p.norm_weight);
@@ -238,7 +240,7 @@ __global__ void __cluster_dims__(KS, 1, 1) __launch_bounds__(kThreads, 2)
     __syncthreads();
     consume(false);
   }
-  allow_next_kernel();
+  if (p.trigger_point == 0) allow_next_kernel();
   // This block's partial tile (and sums of squares) are complete: tell the cluster
   // (release: the shared-memory writes become visible to the blocks that wait below), and
   // prepare the reduction while the others catch up.

@@ -3,6 +3,7 @@
 #pragma once
 
 #include "kernels/gemv.cuh"
+#include "kernels/launch.cuh"
 
 namespace m3::kernels {
 
@@ -17,12 +18,14 @@ struct GemvOperands {
   float* y;         // [batch, y_stride]
   int y_stride;
   int batch;
+  int trigger_point;  // pdl_trigger_point(PdlStage::Gemv)
 };
 
 template <typename W>
 GemvOperands<W> gemv_operands(const GemvArgs& a) {
   return GemvOperands<W>{static_cast<const W*>(a.weight), a.out_rows, a.cols, a.x, a.x_stride,
-                         a.norm_weight, a.norm_eps, a.y, a.y_stride, a.batch};
+                         a.norm_weight, a.norm_eps, a.y, a.y_stride, a.batch,
+                         pdl_trigger_point(PdlStage::Gemv)};
 }
 
 }  // namespace m3::kernels

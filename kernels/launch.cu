@@ -19,6 +19,12 @@ int env_int(const char* name, int fallback) {
   return env != nullptr ? std::atoi(env) : fallback;
 }
 
+int pdl_trigger_point(PdlStage stage) {
+  static const int after_wait = env_int("M3_PDL_EARLY", 3), first = env_int("M3_PDL_FIRST", 2);
+  const int bit = static_cast<int>(stage);
+  return (first & bit) != 0 ? 2 : (after_wait & bit) != 0 ? 1 : 0;
+}
+
 void KernelLaunch::check_resources() const {
   cudaFuncAttributes attr{};
   M3_CUDA_CHECK(cudaFuncGetAttributes(&attr, func_));

@@ -18,6 +18,17 @@ int multiprocessor_count();
 // An integer environment switch for A/B measurements, or `fallback` when unset.
 int env_int(const char* name, int fallback);
 
+// Where a kernel lets the next one in the stream launch (programmatic dependent launch):
+// 0 after its main work, 1 right after its own wait, 2 before it, so the next kernel's
+// blocks issue their weight loads while this one computes. Default: the gemvs trigger
+// before their wait, the recurrence right after it (H200, PERFORMANCE_NOTES.md runs
+// 66-68: the step 174 -> 151 us at batch 1, 821 -> 794 at batch 64; the recurrence
+// triggering before its wait was slower at batch 2). M3_PDL_EARLY (bits 1 and 2:
+// recurrence, gemvs trigger after their wait; default 3) and M3_PDL_FIRST (same bits:
+// before it; default 2) override, for A/B measurements.
+enum class PdlStage { Recurrence = 1, Gemv = 2 };
+int pdl_trigger_point(PdlStage stage);
+
 class KernelLaunch {
  public:
   static constexpr size_t kMaxParamBytes = 512;

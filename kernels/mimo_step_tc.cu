@@ -36,6 +36,7 @@ namespace {
 struct TcParams {
   MimoStepArgs a;
   MimoStateLayout layout;
+  int trigger_point;  // pdl_trigger_point(PdlStage::Recurrence)
 };
 
 __device__ __forceinline__ uint32_t to_tf32(float v) {
@@ -183,7 +184,9 @@ __global__ void __launch_bounds__(128 * CS, CS == 1 ? 4 : (CS == 2 ? 3 : 1)) mim
   }
   if (a.out_norm != nullptr && tid < P) eon = a.out_norm[h * P + tid];
   const float dt_bias = a.dt_bias[h], Dh = a.D[h];
+  if (prm.trigger_point == 2) allow_next_kernel();
   wait_for_previous_kernel();
+  if (prm.trigger_point == 1) allow_next_kernel();
   // Every input from in_proj in one round of loads.
   const float* w = a.w + (int64_t)b * a.w_stride;
   const float dt_raw = w[a.off_dt + h], dA = w[a.off_A + h], trap_raw = w[a.off_trap + h];
@@ -329,7 +332,7 @@ __global__ void __launch_bounds__(128 * CS, CS == 1 ? 4 : (CS == 2 ? 3 : 1)) mim
       }
     }
   }
-  allow_next_kernel();
+  if (prm.trigger_point == 0) allow_next_kernel();
   __syncthreads();
 
   // Output, thread p < P: D skip, optional grouped norm, gate, mimo_o reduction.
@@ -375,7 +378,8 @@ __global__ void __launch_bounds__(128 * CS, CS == 1 ? 4 : (CS == 2 ? 3 : 1)) mim
 
 template <int R, int CS>
 KernelLaunch plan_cs(const MimoStepArgs& a) {
-  const TcParams prm{a, mimo_state_layout(a.heads, a.headdim, a.d_state, a.rank, a.n_angles)};
+  const TcParams prm{a, mimo_state_layout(a.heads, a.headdim, a.d_state, a.rank, a.n_angles),
+                     pdl_trigger_point(PdlStage::Recurrence)};
   const TcSmem s = tc_smem(R, a.d_state, a.headdim, CS);
   const int threads = 128 * CS;
   return KernelLaunch::make("mimo_step_tc", mimo_step_tc_kernel<R, CS, 8 / CS>, dim3(a.heads, a.batch),
