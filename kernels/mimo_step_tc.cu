@@ -36,7 +36,7 @@ namespace {
 struct TcParams {
   MimoStepArgs a;
   MimoStateLayout layout;
-  int trigger_point;  // pdl_trigger_point(PdlStage::Recurrence)
+  int trigger_point;  // recurrence_trigger_point(batch)
 };
 
 __device__ __forceinline__ uint32_t to_tf32(float v) {
@@ -244,6 +244,7 @@ __global__ void __launch_bounds__(128 * CS, CS == 1 ? 4 : (CS == 2 ? 3 : 1)) mim
   const uint32_t fa0 = to_tf32(gamma * (x0 * mxa0)), fa1 = to_tf32(gamma * (x1 * mxa1));
   const uint32_t fa2 = to_tf32(beta * (xp0 * mxa0)), fa3 = to_tf32(beta * (xp1 * mxa1));
   __syncthreads();
+  if (prm.trigger_point == 3) allow_next_kernel();
 
   // The new angles (thread s < S) and their sines and cosines, once per pair.
   constexpr float kPi = 3.14159265358979323846f;
@@ -261,6 +262,7 @@ __global__ void __launch_bounds__(128 * CS, CS == 1 ? 4 : (CS == 2 ? 3 : 1)) mim
     if (lane == 0) scale[v] = rsqrtf(ss * __frcp_rn(static_cast<float>(N)) + a.norm_eps);
   }
   __syncthreads();
+  if (prm.trigger_point == 4) allow_next_kernel();
 
   // k and q: normalised, weighted, biased, rotated; k also becomes next step's k_prev.
   const float sn = pair < S ? sns[pair] : 0.f, cs = pair < S ? css[pair] : 1.f;
@@ -376,10 +378,24 @@ __global__ void __launch_bounds__(128 * CS, CS == 1 ? 4 : (CS == 2 ? 3 : 1)) mim
   }
 }
 
+// Where the recurrence lets out_proj launch (pdl_trigger_point's 0-2, or 3 / 4: after its
+// first / second barrier, once in_proj's outputs / the norms are in). Measured on the H200
+// (PERFORMANCE_NOTES.md run 73): right after the wait up to batch 8 (at batch 1 out_proj
+// then has its weights in when its wait ends: 136 us a step against 153 after the norms),
+// after the norms at batch 16 (302 -> 289 us), after the loads from batch 32 (465 -> 457).
+// M3_PDL_REC_POINT forces one (A/B); M3_PDL_EARLY / M3_PDL_FIRST still apply.
+int recurrence_trigger_point(int batch) {
+  static const int forced = env_int("M3_PDL_REC_POINT", -1);
+  if (forced >= 0 && forced <= 4) return forced;
+  const int point = pdl_trigger_point(PdlStage::Recurrence);
+  if (point != 1) return point;
+  return batch < 16 ? 1 : batch < 32 ? 4 : 3;
+}
+
 template <int R, int CS>
 KernelLaunch plan_cs(const MimoStepArgs& a) {
   const TcParams prm{a, mimo_state_layout(a.heads, a.headdim, a.d_state, a.rank, a.n_angles),
-                     pdl_trigger_point(PdlStage::Recurrence)};
+                     recurrence_trigger_point(a.batch)};
   const TcSmem s = tc_smem(R, a.d_state, a.headdim, CS);
   const int threads = 128 * CS;
   return KernelLaunch::make("mimo_step_tc", mimo_step_tc_kernel<R, CS, 8 / CS>, dim3(a.heads, a.batch),
