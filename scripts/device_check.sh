@@ -3,8 +3,11 @@
 # built elsewhere and carried in .device/:
 #   .device/bin/{m3_kernel_tests,m3_cuda_engine_tests,m3check,m3bench}[.gz]
 #   .device/golden/{tiny,small_norm_mlp}/   (copy of ../shared/golden)
+#   .device/lib/{libm3_kernel_trace.so,libcupti.so.13}[.gz]   (trace mode only)
 # Writes logs under $OUT (or ./device-out) and prints a short summary last.
-# Usage: scripts/device_check.sh [all|tests|check|bench] [extra m3bench args...]
+# Usage: scripts/device_check.sh [all|tests|check|bench|trace] [extra m3bench args...]
+# trace: m3bench decode at batch 1, 16 and 64 under the CUPTI injection library, one
+# kernel_trace_b<batch>.csv.gz each (scripts/kernel_trace_summary.py reads them).
 set -u -o pipefail
 MODE=${1:-all}
 shift || true
@@ -13,7 +16,7 @@ mkdir -p "$OUT"
 BIN=.device/bin
 GOLDEN=.device/golden
 # Binaries may travel gzipped (the carried tree is limited to 64 MiB).
-for z in "$BIN"/*.gz; do
+for z in "$BIN"/*.gz .device/lib/*.gz; do
   [[ -e $z ]] && gunzip -f "$z"
 done
 chmod +x "$BIN"/* 2>/dev/null
@@ -62,6 +65,16 @@ if [[ $MODE == all || $MODE == bench ]]; then
   for sw in ${M3_AB_SWITCHES:-M3_PDL_FIRST=0 M3_PDL_EARLY=0 M3_PDL_REC_POINT=1 M3_GEMV_SMALL_RPW=1 M3_MIMO_TC_MIN_BATCH=0 M3_GEMV_MMA_ROWS_MIN_BATCH=4 M3_MIMO_TC_SPLIT=1 M3_CUDA_PDL=0 M3_CUDA_L2_PREFETCH=1 M3_GEMV_TENSOR_CORES=0}; do
     env $sw "$BIN/m3bench" decode --config configs/models/s2s-14l.json --batch 1,2,4,16,64 \
         --iters 100 2>&1 | tee "$OUT/bench_bf16_${sw%=*}.txt" | sed "s/^/[$sw] /"
+  done
+fi
+
+if [[ $MODE == trace ]]; then
+  for b in 1 16 64; do
+    M3_TRACE_OUT="$OUT/kernel_trace_b$b.csv" CUDA_INJECTION64_PATH="$PWD/.device/lib/libm3_kernel_trace.so" \
+        LD_LIBRARY_PATH="$PWD/.device/lib:/usr/local/cuda/extras/CUPTI/lib64:${LD_LIBRARY_PATH:-}" \
+        "$BIN/m3bench" decode --config configs/models/s2s-14l.json --batch $b --iters 10 "$@" >"$OUT/trace_bench_b$b.txt" 2>&1
+    summary+=("trace batch $b: $(($(wc -l <"$OUT/kernel_trace_b$b.csv") - 1)) kernel records")
+    gzip -f "$OUT/kernel_trace_b$b.csv"
   done
 fi
 

@@ -1,0 +1,75 @@
+#!/usr/bin/env python3
+"""Per-layer kernel times inside m3bench's decode graph, from m3_kernel_trace's CSV.
+
+Usage: kernel_trace_summary.py TRACE.csv[.gz] [--kernels N] [--layer-kernels K]
+
+Groups the graph's kernel records into replays of N kernels (default: the length of the
+first replay, i.e. the kernels between two embedding kernels), drops the first quarter as
+warm-up, and prints per kernel position the median start, end and duration relative to
+the replay's first kernel, and the time from the previous kernel's end to this one's end
+(with programmatic dependent launch a kernel starts before its predecessor ends, so that
+increment, not the duration, is what the kernel adds to the step). Last, the mean increment
+of each of the K kernels of a layer over the middle layers.
+"""
+import argparse
+import csv
+import gzip
+import statistics
+
+
+def short_name(name):
+    for kind in ('embedding', 'gemv_mma_rows', 'gemv_mma', 'gemv_kernel', 'mimo_step_tc', 'mimo_step', 'sampling'):
+        if kind in name:
+            return kind
+    return name[:24]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    ap.add_argument('trace')
+    ap.add_argument('--kernels', type=int, default=0, help='kernels per replay (default: detected)')
+    ap.add_argument('--layer-kernels', type=int, default=3, help='kernels per layer (default 3)')
+    args = ap.parse_args()
+    opener = gzip.open if args.trace.endswith('.gz') else open
+    with opener(args.trace, 'rt') as f:
+        rows = [r for r in csv.DictReader(f) if r['graph'] != '0']
+    if not rows:
+        raise SystemExit(f'{args.trace}: no kernel records from a CUDA graph')
+    rows.sort(key=lambda r: int(r['start_ns']))
+    per = args.kernels
+    if per <= 0:
+        starts = [i for i, r in enumerate(rows) if 'embedding' in r['name']]
+        if len(starts) < 2:
+            raise SystemExit('cannot detect the replay length; pass --kernels')
+        per = starts[1] - starts[0]
+    replays = [rows[i:i + per] for i in range(0, len(rows) - per + 1, per)]
+    replays = replays[len(replays) // 4:]
+
+    def at(rep, i, key):
+        return (int(rep[i][key]) - int(rep[0]['start_ns'])) / 1e3
+
+    step = statistics.median(at(r, per - 1, 'end_ns') for r in replays)
+    print(f'{len(replays)} replays of {per} kernels, step {step:.2f} us (median; tracing adds a few us)')
+    print(f'{"pos":>3} {"kernel":<14} {"grid":>9} {"start":>8} {"end":>8} {"dur":>7} {"end-prev end":>13}')
+    increments = []
+    for i in range(per):
+        start = statistics.median(at(r, i, 'start_ns') for r in replays)
+        end = statistics.median(at(r, i, 'end_ns') for r in replays)
+        dur = statistics.median(at(r, i, 'end_ns') - at(r, i, 'start_ns') for r in replays)
+        inc = statistics.median(at(r, i, 'end_ns') - (at(r, i - 1, 'end_ns') if i else 0.0) for r in replays)
+        increments.append(inc)
+        r0 = replays[0][i]
+        grid = f'{r0["grid_x"]}x{r0["grid_y"]}'
+        print(f'{i:3d} {short_name(r0["name"]):<14} {grid:>9} {start:8.2f} {end:8.2f} {dur:7.2f} {inc:13.2f}')
+    k = args.layer_kernels
+    layers = (per - 3) // k  # the embedding first, lm_head and sampling last
+    middle = range(1 + k, 1 + k * (layers - 1))  # skip the first and last layer
+    print('per layer (middle layers), end-to-end increment:')
+    for j in range(k):
+        vals = [increments[i] for i in middle if (i - 1) % k == j]
+        if vals:
+            print(f'  {short_name(replays[0][1 + j]["name"])}: {sum(vals) / len(vals):.2f} us')
+
+
+if __name__ == '__main__':
+    main()
