@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Checks in the SASS of a binary (cuobjdump, sm_90 code) that every gemv and tensor-core
+# Checks in the SASS of a binary (cuobjdump; sm_90 code, or $ARCH) that every gemv and tensor-core
 # recurrence kernel issues global loads before its programmatic-dependent-launch wait
 # (ACQBULK). ptxas hoists a plain griddepcontrol.wait to the top of a kernel, which turns
 # the weights' pre-wait loads into post-wait ones (kernels/common.cuh,
@@ -8,7 +8,7 @@
 set -u -o pipefail
 bin=${1:?usage: check_pdl_sass.sh BINARY}
 cuobjdump=${CUOBJDUMP:-$(command -v cuobjdump || echo /usr/local/cuda/bin/cuobjdump)}
-"$cuobjdump" -sass -arch sm_90 "$bin" | awk '
+"$cuobjdump" -sass -arch "${ARCH:-sm_90}" "$bin" | awk '
   /Function :/ { if (name != "") report(); name = $3; seen_wait = 0; loads = 0; next }
   /ACQBULK/ { seen_wait = 1 }
   /LDG|LDGSTS/ { if (!seen_wait) loads++ }
