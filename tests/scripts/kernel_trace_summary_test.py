@@ -1,0 +1,61 @@
+#!/usr/bin/env python3
+"""Tests scripts/kernel_trace_summary.py on synthetic m3_kernel_trace CSVs."""
+import os
+import subprocess
+import sys
+import tempfile
+import unittest
+
+SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), '..', '..', 'scripts', 'kernel_trace_summary.py')
+KINDS = ['gemv_kernel', 'mimo_step_tc', 'gemv_kernel']  # in_proj, recurrence, out_proj
+INCREMENTS_US = [2.5, 4.75, 1.75]                        # end-to-end time each adds
+
+
+def write_trace(path, replays, layers=14, graph=7, no_graph_replays=2):
+    """Replays of embedding, `layers` x (in_proj, recurrence, out_proj), lm_head, sampling.
+    Each kernel starts 3 us before its predecessor ends (early launch) and ends the
+    given increment after it."""
+    names = ['embedding_kernel'] + KINDS * layers + ['gemv_kernel', 'sampling_kernel']
+    incs = [1.5] + INCREMENTS_US * layers + [2.0, 2.5]
+    with open(path, 'w') as f:
+        f.write('start_ns,end_ns,grid_x,grid_y,block_x,graph,name\n')
+        t = 1_000_000_000
+        for r in range(replays + no_graph_replays):
+            g = graph if r >= no_graph_replays else 0
+            prev_end = t
+            for name, inc in zip(names, incs):
+                end = prev_end + int(inc * 1000)
+                start = max(t, prev_end - 3000)
+                f.write(f'{start},{end},4,1,256,{g},_ZN2m37kernels{name}EEv\n')
+                prev_end = end
+            t = prev_end + 5000
+
+
+class KernelTraceSummaryTest(unittest.TestCase):
+    def run_script(self, *args):
+        return subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True)
+
+    def test_per_layer_increments_and_step(self):
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, 'trace.csv')
+            write_trace(path, replays=8)
+            out = self.run_script(path)
+            self.assertEqual(out.returncode, 0, out.stderr)
+            step = 1.5 + 14 * sum(INCREMENTS_US) + 2.0 + 2.5
+            # 8 replays, the first quarter dropped as warm-up; the no-graph records ignored.
+            self.assertIn(f'6 replays of 45 kernels, step {step:.2f} us', out.stdout)
+            tail = out.stdout.split('per layer (middle layers), end-to-end increment:')[1].split('\n')
+            got = [float(line.split(':')[1].split()[0]) for line in tail if ':' in line]
+            self.assertEqual(got, INCREMENTS_US)
+
+    def test_refuses_a_trace_without_graph_records(self):
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, 'trace.csv')
+            write_trace(path, replays=0)
+            out = self.run_script(path)
+            self.assertNotEqual(out.returncode, 0)
+            self.assertIn('no kernel records from a CUDA graph', out.stderr)
+
+
+if __name__ == '__main__':
+    unittest.main()
