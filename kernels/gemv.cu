@@ -220,11 +220,11 @@ bool use_tensor_cores() {
   return env == nullptr || std::string(env) != "0";
 }
 
-// Rows per warp at batch 1: two (M3_GEMV_SMALL_RPW=1 or 4 for A/B measurements; 1 moves
-// to two only when one row per warp would need a second wave). With the next kernel's
-// blocks launched before this one's wait, half the blocks (s2s-14l in_proj: 296 instead
-// of 591) start their loads sooner beside the running kernel: the batch-1 step 151 -> 136
-// us (H200, PERFORMANCE_NOTES.md run 68; one row: 4 rows per warp 171).
+// Rows per warp at batch 1: two. With the next kernel's blocks launched before this one's
+// wait, half the blocks (s2s-14l in_proj: 296 instead of 591) start their loads sooner
+// beside the running kernel: the batch-1 step 151 us with one row per warp, 136 with two,
+// 171 with four (H200, PERFORMANCE_NOTES.md run 68). M3_GEMV_SMALL_RPW=1 or 4 for A/B
+// measurements (1 still moves to two when one row per warp would need a second wave).
 int small_rows_per_warp() {
   static const int rpw = env_int("M3_GEMV_SMALL_RPW", 2);
   return rpw == 1 || rpw == 4 ? rpw : 2;
@@ -239,8 +239,8 @@ KernelLaunch plan_tile(const GemvArgs& a, int tile) {
       // One row per warp gives the most blocks; when that would need a second wave on
       // this GPU, two rows per warp fit the grid into one.
       KernelLaunch one = plan_variant<W, 1, 1, E>(a);
-      if (
-          static_cast<long>(one.grid().y) > static_cast<long>(one.resident_blocks_per_sm(kThreads)) * multiprocessor_count()) {
+      const long resident = static_cast<long>(one.resident_blocks_per_sm(kThreads)) * multiprocessor_count();
+      if (static_cast<long>(one.grid().y) > resident) {
         return plan_variant<W, 1, 2, E>(a);
       }
       return one;

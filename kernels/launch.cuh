@@ -23,7 +23,8 @@ int env_int(const char* name, int fallback);
 // blocks issue their weight loads while this one computes. Default: the gemvs trigger
 // before their wait, the recurrence right after it (H200, PERFORMANCE_NOTES.md runs
 // 66-68: the step 174 -> 151 us at batch 1, 821 -> 794 at batch 64; the recurrence
-// triggering before its wait was slower at batch 2). M3_PDL_EARLY (bits 1 and 2:
+// triggering before its wait was slower at batch 2; from batch 16 it triggers later
+// still, see recurrence_trigger_point in mimo_step_tc.cu). M3_PDL_EARLY (bits 1 and 2:
 // recurrence, gemvs trigger after their wait; default 3) and M3_PDL_FIRST (same bits:
 // before it; default 2) override, for A/B measurements.
 enum class PdlStage { Recurrence = 1, Gemv = 2 };

@@ -29,6 +29,10 @@ if [[ $MODE == all || $MODE == tests ]]; then
     summary+=("$t: $r ($(grep -E '^\[  (PASSED|FAILED|SKIPPED) ' "$OUT/$t.log" | tr '\n' ' '))")
     [[ $r == FAIL ]] && grep -E "Failure|error|FAILED|Expected|Which is|actual" "$OUT/$t.log" | head -40
   done
+  # The batch-1 gemv's one-row-per-warp variant (the default is two).
+  if M3_GEMV_SMALL_RPW=1 "$BIN/m3_kernel_tests" --gtest_brief=1 --gtest_filter='GemvKernel.*' \
+      >"$OUT/m3_kernel_tests_rpw1.log" 2>&1; then r=PASS; else r=FAIL; fi
+  summary+=("m3_kernel_tests gemv, one row per warp at batch 1: $r")
   # The weights' loads really precede the PDL wait in the built kernels (SASS).
   if scripts/check_pdl_sass.sh "$BIN/m3bench" >"$OUT/pdl_sass.log" 2>&1; then r=PASS; else r=FAIL; fi
   summary+=("pdl wait placement (SASS): $r ($(tail -1 "$OUT/pdl_sass.log"))")
