@@ -82,9 +82,7 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(const GemvParams<W> p) {
     }
   }
 
-  if (p.trigger_point == 2) allow_next_kernel();
-  wait_for_previous_kernel();
-  if (p.trigger_point == 1) allow_next_kernel();
+  wait_for_previous_kernel(p.trigger_point);
 
   // Stage the batch tile of x (times the norm weight when normalising; the 1/rms scale is
   // applied to the dot products at the end), zero rows past the batch. The sums of

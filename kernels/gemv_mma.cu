@@ -69,9 +69,7 @@ __global__ void __launch_bounds__(kThreads) gemv_mma_kernel(const MmaParams p) {
     }
   }
 
-  if (p.trigger_point == 2) allow_next_kernel();
-  wait_for_previous_kernel();
-  if (p.trigger_point == 1) allow_next_kernel();
+  wait_for_previous_kernel(p.trigger_point);
 
   // Stage x (times the norm weight) as bf16; sums of squares on the side.
   const bool norm = p.norm_weight != nullptr;

@@ -131,9 +131,7 @@ __global__ void __cluster_dims__(KS, 1, 1) __launch_bounds__(kThreads, 2)
   };
   load_weights();
 
-  if (p.trigger_point == 2) allow_next_kernel();
-  wait_for_previous_kernel();
-  if (p.trigger_point == 1) allow_next_kernel();
+  wait_for_previous_kernel(p.trigger_point);
 
   const bool norm = p.norm_weight != nullptr;
   const float4* nw4 = reinterpret_cast<const float4*>(p.norm_weight);

@@ -184,9 +184,7 @@ __global__ void __launch_bounds__(128 * CS, CS == 1 ? 4 : (CS == 2 ? 3 : 1)) mim
   }
   if (a.out_norm != nullptr && tid < P) eon = a.out_norm[h * P + tid];
   const float dt_bias = a.dt_bias[h], Dh = a.D[h];
-  if (prm.trigger_point == 2) allow_next_kernel();
-  wait_for_previous_kernel();
-  if (prm.trigger_point == 1) allow_next_kernel();
+  wait_for_previous_kernel(prm.trigger_point);
   // Every input from in_proj in one round of loads.
   const float* w = a.w + (int64_t)b * a.w_stride;
   const float dt_raw = w[a.off_dt + h], dA = w[a.off_A + h], trap_raw = w[a.off_trap + h];
