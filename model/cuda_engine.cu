@@ -36,6 +36,8 @@ namespace {
 
 using kernels::KernelLaunch;
 
+constexpr int kMaxChains = 4;
+
 std::string slot_context(const char* fn, int slot) {
   return std::string(fn) + ": slot " + std::to_string(slot);
 }
@@ -70,7 +72,13 @@ CudaEngine::CudaEngine(const ModelWeights& weights, const EngineOptions& options
     l2_prefetch_ = std::string(env) == "1";
   }
   mimo_tc_min_batch_ = kernels::env_int("M3_MIMO_TC_MIN_BATCH", mimo_tc_min_batch_);  // 0 or less: never
+  forced_chains_ = std::clamp(kernels::env_int("M3_CUDA_CHAINS", 0), 0, kMaxChains);
   M3_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  chain_streams_.resize(kMaxChains - 1);
+  join_events_.resize(kMaxChains - 1);
+  for (auto& s : chain_streams_) M3_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  for (auto& e : join_events_) M3_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+  M3_CUDA_CHECK(cudaEventCreateWithFlags(&fork_event_, cudaEventDisableTiming));
 
   const ModelConfig& c = config_;
   weights_ = upload_weights(weights, options.weight_dtype == WeightDType::BF16
@@ -133,6 +141,9 @@ CudaEngine::~CudaEngine() {
     if (g.graph) cudaGraphDestroy(g.graph);
   }
   for (auto e : timing_events_) cudaEventDestroy(e);
+  for (auto e : join_events_) if (e) cudaEventDestroy(e);
+  if (fork_event_) cudaEventDestroy(fork_event_);
+  for (auto s : chain_streams_) if (s) cudaStreamDestroy(s);
   if (stream_) cudaStreamDestroy(stream_);
 }
 
@@ -143,9 +154,14 @@ void CudaEngine::build_plans() {
   auto* slots = table_.as<int32_t>();
   auto* tokens = slots + B;
   auto* parities = slots + 2 * B;
-  for (int batch : bucket_sizes_) {
-    DecodeGraph g;
-    g.batch = batch;
+  // One chain: the whole step (embedding, every layer, lm_head, sampling) for batch rows
+  // [row0, row0 + rows) of the bucket.
+  auto plan_chain = [&](std::vector<KernelLaunch>& out, int row0, int rows) {
+    float* res = res_.as<float>() + static_cast<size_t>(row0) * c.d_model;
+    float* w = w_.as<float>() + static_cast<size_t>(row0) * c.in_proj_rows();
+    float* o = o_.as<float>() + static_cast<size_t>(row0) * c.d_inner();
+    float* act = c.has_mlp() ? act_.as<float>() + static_cast<size_t>(row0) * c.mlp_width() : nullptr;
+    float* logits = logits_.as<float>() + static_cast<size_t>(row0) * c.padded_vocab();
     // Every projection of the step: y (+)= W . x, x RMS-normalised first when `norm` is
     // given; x rows are `cols` wide and y rows `out_rows` wide.
     auto plan_projection = [&](const char* name, const void* weight, int out_rows, int cols,
@@ -162,20 +178,20 @@ void CudaEngine::build_plans() {
       a.norm_eps = ModelConfig::kNormEps;
       a.y = y;
       a.y_stride = out_rows;
-      a.batch = batch;
+      a.batch = rows;
       a.epilogue = epilogue;
       return kernels::plan_gemv(a).named(name);
     };
     const size_t msize = weights_.type == kernels::WeightType::BF16 ? 2 : 4;
     const kernels::L2Prefetch in_proj_bytes0{weights_.layers[0].in_proj, msize * c.in_proj_rows() * c.d_model};
-    kernels::EmbeddingArgs emb{weights_.embedding, weights_.type, c.padded_vocab(), c.d_model, slots,
-                               tokens, last_token_.as<int32_t>(), res_.as<float>(), batch};
+    kernels::EmbeddingArgs emb{weights_.embedding, weights_.type, c.padded_vocab(), c.d_model, slots + row0,
+                               tokens + row0, last_token_.as<int32_t>(), res, rows};
     if (l2_prefetch_) emb.prefetch[0] = in_proj_bytes0;
-    g.launches.push_back(kernels::plan_embedding(emb));
+    out.push_back(kernels::plan_embedding(emb));
     for (int i = 0; i < c.n_layer; ++i) {
       const DeviceLayer& lw = weights_.layers[i];
-      g.launches.push_back(plan_projection("in_proj", lw.in_proj, c.in_proj_rows(), c.d_model,
-                                           res_.as<float>(), lw.norm, w_.as<float>(),
+      out.push_back(plan_projection("in_proj", lw.in_proj, c.in_proj_rows(), c.d_model,
+                                           res, lw.norm, w,
                                            kernels::GemvEpilogue::Store));
 
       kernels::MimoStepArgs m;
@@ -187,7 +203,7 @@ void CudaEngine::build_plans() {
       m.mimo_rotation = c.ssm.is_mimo;
       m.a_floor = static_cast<float>(c.ssm.A_floor);
       m.norm_eps = ModelConfig::kNormEps;
-      m.w = w_.as<float>();
+      m.w = w;
       m.w_stride = c.in_proj_rows();
       m.off_z = L.z; m.off_x = L.x; m.off_B = L.B; m.off_C = L.C;
       m.off_dt = L.dd_dt; m.off_A = L.dd_A; m.off_trap = L.trap; m.off_ang = L.ang;
@@ -197,11 +213,11 @@ void CudaEngine::build_plans() {
       m.state = state_.as<float>();
       m.slot_stride = slot_state_floats_;
       m.layer_offset = layout_.floats * i;
-      m.slots = slots;
-      m.parities = parities;
-      m.o = o_.as<float>();
+      m.slots = slots + row0;
+      m.parities = parities + row0;
+      m.o = o;
       m.o_stride = c.d_inner();
-      m.batch = batch;
+      m.batch = rows;
       // While the recurrence runs (latency-bound at small batch), pull the next two
       // matrices into L2: this layer's out_proj and whatever gemv follows it.
       m.prefetch[0] = {lw.out_proj, msize * c.d_model * c.d_inner()};
@@ -217,51 +233,91 @@ void CudaEngine::build_plans() {
       // The recurrence on tensor cores (tf32 operands) only where the weights are bf16:
       // fp32 engines keep fp32 arithmetic throughout.
       m.tensor_cores = weights_.type == kernels::WeightType::BF16 && mimo_tc_min_batch_ > 0 &&
-                       batch >= mimo_tc_min_batch_ && kernels::mimo_step_tc_applies(m);
+                       rows >= mimo_tc_min_batch_ && kernels::mimo_step_tc_applies(m);
       bool out_proj_fused = false;
       // Measured: a gain at batch 1 and 2, a loss from batch 4 on (the atomics grow with it).
-      if (fuse_out_proj_ && batch <= 2 && !m.tensor_cores) {
+      if (fuse_out_proj_ && rows <= 2 && !m.tensor_cores) {
         m.out_proj = lw.out_proj;
         m.out_proj_type = weights_.type;
-        m.residual = res_.as<float>();
+        m.residual = res;
         m.residual_stride = c.d_model;
         m.d_model = c.d_model;
         out_proj_fused = kernels::mimo_step_can_fuse_out_proj(m);
         if (!out_proj_fused) m.out_proj = nullptr;
       }
-      g.launches.push_back(kernels::plan_mimo_step(m));
+      out.push_back(kernels::plan_mimo_step(m));
 
       if (!out_proj_fused) {
-        g.launches.push_back(plan_projection("out_proj", lw.out_proj, c.d_model, c.d_inner(),
-                                             o_.as<float>(), nullptr, res_.as<float>(),
+        out.push_back(plan_projection("out_proj", lw.out_proj, c.d_model, c.d_inner(),
+                                             o, nullptr, res,
                                              kernels::GemvEpilogue::Accumulate));
       }
 
       if (c.has_mlp()) {
-        g.launches.push_back(plan_projection("fc1", lw.fc1, c.mlp_width(), c.d_model,
-                                             res_.as<float>(), lw.norm2, act_.as<float>(),
+        out.push_back(plan_projection("fc1", lw.fc1, c.mlp_width(), c.d_model,
+                                             res, lw.norm2, act,
                                              kernels::GemvEpilogue::GatedSilu));
-        g.launches.push_back(plan_projection("fc2", lw.fc2, c.d_model, c.mlp_width(),
-                                             act_.as<float>(), nullptr, res_.as<float>(),
+        out.push_back(plan_projection("fc2", lw.fc2, c.d_model, c.mlp_width(),
+                                             act, nullptr, res,
                                              kernels::GemvEpilogue::Accumulate));
       }
     }
-    g.launches.push_back(plan_projection("lm_head", weights_.lm_head, c.padded_vocab(), c.d_model,
-                                         res_.as<float>(), weights_.norm_f, logits_.as<float>(),
+    out.push_back(plan_projection("lm_head", weights_.lm_head, c.padded_vocab(), c.d_model,
+                                         res, weights_.norm_f, logits,
                                          kernels::GemvEpilogue::Store));
 
     kernels::SamplingArgs s;
-    s.logits = logits_.as<float>();
+    s.logits = logits;
     s.logits_stride = c.padded_vocab();
     s.vocab = c.vocab_size;
-    s.slots = slots;
+    s.slots = slots + row0;
     s.params = params_.as<kernels::SlotSampling>();
     s.counters = counters_.as<uint64_t>();
     s.last_token = last_token_.as<int32_t>();
-    s.sampled = sampled_.as<int32_t>();
-    s.batch = batch;
-    g.launches.push_back(kernels::plan_sampling(s));
+    s.sampled = sampled_.as<int32_t>() + row0;
+    s.batch = rows;
+    out.push_back(kernels::plan_sampling(s));
+  };
+  for (int batch : bucket_sizes_) {
+    DecodeGraph g;
+    g.batch = batch;
+    const int chains = chains_for_batch(batch);
+    for (int k = 0; k < chains; ++k) {
+      const int row0 = k * batch / chains;
+      g.chain_begin.push_back(g.launches.size());
+      plan_chain(g.launches, row0, (k + 1) * batch / chains - row0);
+    }
     graphs_.push_back(std::move(g));
+  }
+}
+
+// Chains per bucket: each serves its share of the rows with its own kernels, and the
+// chains run side by side (forked off stream_ and joined back), so one chain's
+// memory-bound recurrence overlaps another's latency-bound projections.
+// M3_CUDA_CHAINS=1|2|4 forces a count for every bucket (A/B measurements).
+int CudaEngine::chains_for_batch(int batch) const {
+  const int chains = forced_chains_ > 0 ? forced_chains_ : batch >= 32 ? 2 : 1;
+  return std::max(1, std::min(chains, batch));
+}
+
+// Chain 0 on stream_, chain k on chain_streams_[k - 1], forked after whatever stream_
+// holds and joined back into it; PDL inside each chain (its first kernel follows an event
+// or a host copy, not a kernel).
+void CudaEngine::launch_chains(const DecodeGraph& g) {
+  const size_t chains = g.chain_begin.size();
+  auto chain_end = [&](size_t k) { return k + 1 < chains ? g.chain_begin[k + 1] : g.launches.size(); };
+  if (chains > 1) {
+    M3_CUDA_CHECK(cudaEventRecord(fork_event_, stream_));
+    for (size_t k = 1; k < chains; ++k) M3_CUDA_CHECK(cudaStreamWaitEvent(chain_streams_[k - 1], fork_event_, 0));
+  }
+  for (size_t i = 0; i < chain_end(0); ++i) g.launches[i].launch(stream_, pdl_ && i > 0);
+  for (size_t k = 1; k < chains; ++k) {
+    const size_t begin = g.chain_begin[k];
+    for (size_t i = begin; i < chain_end(k); ++i) g.launches[i].launch(chain_streams_[k - 1], pdl_ && i > begin);
+  }
+  for (size_t k = 1; k < chains; ++k) {
+    M3_CUDA_CHECK(cudaEventRecord(join_events_[k - 1], chain_streams_[k - 1]));
+    M3_CUDA_CHECK(cudaStreamWaitEvent(stream_, join_events_[k - 1], 0));
   }
 }
 
@@ -270,15 +326,14 @@ void CudaEngine::run_plan(const DecodeGraph& g, bool use_graph) {
     M3_CUDA_CHECK(cudaGraphLaunch(g.exec, stream_));
     return;
   }
-  // The first kernel follows a host copy, not a kernel: no programmatic overlap for it.
-  for (size_t i = 0; i < g.launches.size(); ++i) g.launches[i].launch(stream_, pdl_ && i > 0);
+  launch_chains(g);
 }
 
 void CudaEngine::capture_graphs() {
   for (DecodeGraph& g : graphs_) {
     M3_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
     try {
-      for (size_t i = 0; i < g.launches.size(); ++i) g.launches[i].launch(stream_, pdl_ && i > 0);
+      launch_chains(g);
     } catch (...) {
       cudaGraph_t broken = nullptr;
       cudaStreamEndCapture(stream_, &broken);

@@ -21,7 +21,11 @@ namespace m3::cuda {
 // The launches of one decode step for one batch bucket, and its captured graph.
 struct DecodeGraph {
   int batch = 0;
+  // The step's kernels, chain after chain: chain c is launches[chain_begin[c] ..
+  // chain_begin[c + 1]) and serves its own share of the batch rows (one chain unless the
+  // bucket is split, see chains_for_batch).
   std::vector<kernels::KernelLaunch> launches;
+  std::vector<size_t> chain_begin;
   cudaGraph_t graph = nullptr;
   cudaGraphExec_t exec = nullptr;
 };
@@ -71,6 +75,8 @@ class CudaEngine final : public Engine {
   void build_plans();
   void capture_graphs();
   void run_plan(const DecodeGraph& g, bool use_graph);
+  void launch_chains(const DecodeGraph& g);
+  int chains_for_batch(int batch) const;
   const DecodeGraph& graph_for_batch(int batch) const;
 
   ModelConfig config_;
@@ -85,6 +91,11 @@ class CudaEngine final : public Engine {
   int device_ = 0;
 
   cudaStream_t stream_ = nullptr;
+  // Streams and events that fork the step's chains off stream_ and join them back.
+  std::vector<cudaStream_t> chain_streams_;
+  cudaEvent_t fork_event_ = nullptr;
+  std::vector<cudaEvent_t> join_events_;
+  int forced_chains_ = 0;  // M3_CUDA_CHAINS (A/B): chains per bucket, 0 = planned
   DeviceWeights weights_;
   kernels::MimoStateLayout layout_;
   int64_t slot_state_floats_ = 0;

@@ -174,6 +174,44 @@ TEST_F(CudaEngineTest, GraphReplayEqualsDirectLaunchesAndBucketsAreIndependent) 
   EXPECT_EQ(graphed->stats().tokens, 30u);
 }
 
+// From batch 32 a bucket's step runs as two chains of kernels side by side, each for half
+// the rows (CudaEngine::chains_for_batch): every row must still get what the CPU engine
+// gives it, sampled rows included, in both halves.
+TEST_F(CudaEngineTest, SplitBucketsMatchCpuEngine) {
+  M3_REQUIRE_CUDA_DEVICE();
+  load(testing::small_config());
+  constexpr int kSlots = 40;  // buckets ..., 32, 40: 33 sequences take the 40 bucket
+  auto gpu = cuda(kSlots);
+  auto ref = cpu(kSlots);
+  auto* impl = dynamic_cast<cuda::CudaEngine*>(gpu.get());
+  ASSERT_NE(impl, nullptr);
+  constexpr int n = 33;
+  ASSERT_EQ(impl->bucket_for(n), 40);
+  // Bucket 16 runs one chain of the same kernel kinds (bucket 1 fuses out_proj).
+  ASSERT_EQ(impl->kernels_per_step(n), 2 * impl->kernels_per_step(16)) << "the 40 bucket is not split";
+  std::vector<int32_t> slots(n);
+  for (int i = 0; i < n; ++i) {
+    slots[i] = (i * 7) % kSlots;  // scattered slots, rows of both halves
+    if (i % 3 == 1) {
+      const SamplingParams sp{0.9f, 10, 0.95f, static_cast<uint64_t>(100 + i)};
+      gpu->set_sampling(slots[i], sp);
+      ref->set_sampling(slots[i], sp);
+    }
+  }
+  std::vector<int32_t> g_ids(n), c_ids(n);
+  std::vector<float> g_logits(static_cast<size_t>(n) * V()), c_logits(g_logits.size());
+  for (int t = 0; t < 6; ++t) {
+    std::vector<int32_t> tokens(n, kContinueToken);
+    if (t == 0) {
+      for (int i = 0; i < n; ++i) tokens[i] = (i * 13 + 1) % 200;
+    }
+    gpu->step(slots, tokens, g_ids, g_logits);
+    ref->step(slots, tokens, c_ids, c_logits);
+    ASSERT_LT(rel_err(g_logits, c_logits), 1e-4) << "step " << t;
+    ASSERT_EQ(g_ids, c_ids) << "step " << t;
+  }
+}
+
 TEST_F(CudaEngineTest, DecodeStepsAllocateNothingAndReplayOneGraph) {
   M3_REQUIRE_CUDA_DEVICE();
   ModelConfig c = testing::small_config();
