@@ -5,7 +5,8 @@
 #   here:           scripts/device_serve_check.sh pack [BUILD_DIR]   -> .device/srv.tgz
 #   on the machine: scripts/device_serve_check.sh run                (device run, carry .device)
 # `run` writes a random bf16 s2s-14l model, serves it on the CUDA backend, checks health,
-# info and one Generate with m3cli, runs `m3bench serve` at concurrency 16 and 1, scrapes
+# info and one Generate with m3cli, runs `m3bench serve` at concurrency 64, 16 and 1 (64:
+# the engine's split two-chain step), scrapes
 # /metrics, then stops the server with SIGTERM and reports its exit status.
 # M3_SERVE_BACKEND=cpu runs the same on the CPU engine (to try the script without a GPU).
 set -u -o pipefail
@@ -36,12 +37,13 @@ run)
   export LD_LIBRARY_PATH=$D/lib
   "$D/m3make" --config "$ROOT/configs/models/s2s-14l.json" --seed 1 --dtype bf16 --out "$D/s2s" \
       >"$OUT/make.log" 2>&1 || { cat "$OUT/make.log"; exit 1; }
-  "$D/m3serve" --backend "${M3_SERVE_BACKEND:-cuda}" --model "$D/s2s" --max-batch 16 --listen 127.0.0.1:50051 \
+  "$D/m3serve" --backend "${M3_SERVE_BACKEND:-cuda}" --model "$D/s2s" --max-batch 64 --listen 127.0.0.1:50051 \
       --metrics-listen 127.0.0.1:9464 >"$OUT/serve.log" 2>&1 &
   server=$!
   for _ in $(seq 120); do "$D/m3cli" health >/dev/null 2>&1 && break; sleep 0.5; done
   "$D/m3cli" health && "$D/m3cli" info
   "$D/m3cli" generate --ids 1,2,3 --max-new-tokens 24 --print ids
+  "$D/m3bench" serve --concurrency 64 --requests 256 --max-new-tokens 128 --json "$OUT/serve64.json"
   "$D/m3bench" serve --concurrency 16 --requests 64 --max-new-tokens 128 --json "$OUT/serve16.json"
   "$D/m3bench" serve --concurrency 1 --requests 4 --max-new-tokens 128 --json "$OUT/serve1.json"
   python3 -c "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:9464/metrics').read().decode())" |
