@@ -184,15 +184,14 @@ void CudaEngine::build_plans() {
     };
     const size_t msize = weights_.type == kernels::WeightType::BF16 ? 2 : 4;
     const kernels::L2Prefetch in_proj_bytes0{weights_.layers[0].in_proj, msize * c.in_proj_rows() * c.d_model};
-    kernels::EmbeddingArgs emb{weights_.embedding, weights_.type, c.padded_vocab(), c.d_model, slots + row0,
-                               tokens + row0, last_token_.as<int32_t>(), res, rows};
+    kernels::EmbeddingArgs emb{weights_.embedding, weights_.type, c.padded_vocab(), c.d_model,
+                               slots + row0, tokens + row0, last_token_.as<int32_t>(), res, rows};
     if (l2_prefetch_) emb.prefetch[0] = in_proj_bytes0;
     out.push_back(kernels::plan_embedding(emb));
     for (int i = 0; i < c.n_layer; ++i) {
       const DeviceLayer& lw = weights_.layers[i];
-      out.push_back(plan_projection("in_proj", lw.in_proj, c.in_proj_rows(), c.d_model,
-                                           res, lw.norm, w,
-                                           kernels::GemvEpilogue::Store));
+      out.push_back(plan_projection("in_proj", lw.in_proj, c.in_proj_rows(), c.d_model, res, lw.norm, w,
+                                    kernels::GemvEpilogue::Store));
 
       kernels::MimoStepArgs m;
       m.heads = c.n_heads();
@@ -248,23 +247,19 @@ void CudaEngine::build_plans() {
       out.push_back(kernels::plan_mimo_step(m));
 
       if (!out_proj_fused) {
-        out.push_back(plan_projection("out_proj", lw.out_proj, c.d_model, c.d_inner(),
-                                             o, nullptr, res,
-                                             kernels::GemvEpilogue::Accumulate));
+        out.push_back(plan_projection("out_proj", lw.out_proj, c.d_model, c.d_inner(), o, nullptr, res,
+                                      kernels::GemvEpilogue::Accumulate));
       }
 
       if (c.has_mlp()) {
-        out.push_back(plan_projection("fc1", lw.fc1, c.mlp_width(), c.d_model,
-                                             res, lw.norm2, act,
-                                             kernels::GemvEpilogue::GatedSilu));
-        out.push_back(plan_projection("fc2", lw.fc2, c.d_model, c.mlp_width(),
-                                             act, nullptr, res,
-                                             kernels::GemvEpilogue::Accumulate));
+        out.push_back(plan_projection("fc1", lw.fc1, c.mlp_width(), c.d_model, res, lw.norm2, act,
+                                      kernels::GemvEpilogue::GatedSilu));
+        out.push_back(plan_projection("fc2", lw.fc2, c.d_model, c.mlp_width(), act, nullptr, res,
+                                      kernels::GemvEpilogue::Accumulate));
       }
     }
-    out.push_back(plan_projection("lm_head", weights_.lm_head, c.padded_vocab(), c.d_model,
-                                         res, weights_.norm_f, logits,
-                                         kernels::GemvEpilogue::Store));
+    out.push_back(plan_projection("lm_head", weights_.lm_head, c.padded_vocab(), c.d_model, res,
+                                  weights_.norm_f, logits, kernels::GemvEpilogue::Store));
 
     kernels::SamplingArgs s;
     s.logits = logits;
