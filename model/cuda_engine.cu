@@ -288,8 +288,10 @@ void CudaEngine::build_plans() {
 
 // Chains per bucket: each serves its share of the rows with its own kernels, and the
 // chains run side by side (forked off stream_ and joined back), so one chain's
-// memory-bound recurrence overlaps another's latency-bound projections.
-// M3_CUDA_CHAINS=1|2|4 forces a count for every bucket (A/B measurements).
+// memory-bound recurrence overlaps another's latency-bound projections. Two from batch 32:
+// measured on the H200 (PERFORMANCE_NOTES.md run 87), batch 64 790 -> 719 us and 32
+// 455 -> 442; below 32 the chains only compete (batch 4 180 -> 203). M3_CUDA_CHAINS=1..4
+// forces a count for every bucket (A/B measurements).
 int CudaEngine::chains_for_batch(int batch) const {
   const int chains = forced_chains_ > 0 ? forced_chains_ : batch >= 32 ? 2 : 1;
   return std::max(1, std::min(chains, batch));
