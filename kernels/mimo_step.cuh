@@ -61,6 +61,9 @@ struct MimoStepArgs {
   float* o = nullptr;                  // [batch, o_stride], o[b, h*P + p]
   int o_stride = 0;
   int batch = 0;
+  // This step's rows run beside another chain's (the engine's split buckets): the next
+  // kernel is then let launch right after the wait at every batch (recurrence_trigger_point).
+  bool beside_other_chains = false;
   L2Prefetch prefetch[2];  // weights of later kernels to pull into L2 meanwhile
 
   // Optional fused out_proj (small batches): instead of writing o, each block multiplies

@@ -36,7 +36,7 @@ namespace {
 struct TcParams {
   MimoStepArgs a;
   MimoStateLayout layout;
-  int trigger_point;  // recurrence_trigger_point(batch)
+  int trigger_point;  // recurrence_trigger_point(batch, beside_other_chains)
 };
 
 __device__ __forceinline__ uint32_t to_tf32(float v) {
@@ -381,19 +381,21 @@ __global__ void __launch_bounds__(128 * CS, CS == 1 ? 4 : (CS == 2 ? 3 : 1)) mim
 // (PERFORMANCE_NOTES.md run 73): right after the wait up to batch 8 (at batch 1 out_proj
 // then has its weights in when its wait ends: 136 us a step against 153 after the norms),
 // after the norms at batch 16 (302 -> 289 us), after the loads from batch 32 (465 -> 457).
+// Beside another chain, right after the wait at every batch (run 89: the batch-32 bucket,
+// two chains of 16 rows, 442 -> 437.5 us; batch 64 unchanged).
 // M3_PDL_REC_POINT forces one (A/B); M3_PDL_EARLY / M3_PDL_FIRST still apply.
-int recurrence_trigger_point(int batch) {
+int recurrence_trigger_point(int batch, bool beside_other_chains) {
   static const int forced = env_int("M3_PDL_REC_POINT", -1);
   if (forced >= 0 && forced <= 4) return forced;
   const int point = pdl_trigger_point(PdlStage::Recurrence);
-  if (point != 1) return point;
+  if (point != 1 || beside_other_chains) return point;
   return batch < 16 ? 1 : batch < 32 ? 4 : 3;
 }
 
 template <int R, int CS>
 KernelLaunch plan_cs(const MimoStepArgs& a) {
   const TcParams prm{a, mimo_state_layout(a.heads, a.headdim, a.d_state, a.rank, a.n_angles),
-                     recurrence_trigger_point(a.batch)};
+                     recurrence_trigger_point(a.batch, a.beside_other_chains)};
   const TcSmem s = tc_smem(R, a.d_state, a.headdim, CS);
   const int threads = 128 * CS;
   return KernelLaunch::make("mimo_step_tc", mimo_step_tc_kernel<R, CS, 8 / CS>, dim3(a.heads, a.batch),

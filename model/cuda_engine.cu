@@ -155,8 +155,8 @@ void CudaEngine::build_plans() {
   auto* tokens = slots + B;
   auto* parities = slots + 2 * B;
   // One chain: the whole step (embedding, every layer, lm_head, sampling) for batch rows
-  // [row0, row0 + rows) of the bucket.
-  auto plan_chain = [&](std::vector<KernelLaunch>& out, int row0, int rows) {
+  // [row0, row0 + rows) of the bucket; `split`: other chains run beside it.
+  auto plan_chain = [&](std::vector<KernelLaunch>& out, int row0, int rows, bool split) {
     float* res = res_.as<float>() + static_cast<size_t>(row0) * c.d_model;
     float* w = w_.as<float>() + static_cast<size_t>(row0) * c.in_proj_rows();
     float* o = o_.as<float>() + static_cast<size_t>(row0) * c.d_inner();
@@ -217,6 +217,7 @@ void CudaEngine::build_plans() {
       m.o = o;
       m.o_stride = c.d_inner();
       m.batch = rows;
+      m.beside_other_chains = split;
       // While the recurrence runs (latency-bound at small batch), pull the next two
       // matrices into L2: this layer's out_proj and whatever gemv follows it.
       m.prefetch[0] = {lw.out_proj, msize * c.d_model * c.d_inner()};
@@ -280,7 +281,7 @@ void CudaEngine::build_plans() {
     for (int k = 0; k < chains; ++k) {
       const int row0 = k * batch / chains;
       g.chain_begin.push_back(g.launches.size());
-      plan_chain(g.launches, row0, (k + 1) * batch / chains - row0);
+      plan_chain(g.launches, row0, (k + 1) * batch / chains - row0, chains > 1);
     }
     graphs_.push_back(std::move(g));
   }
