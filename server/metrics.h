@@ -65,6 +65,7 @@ class ServerMetrics {
   prometheus::Gauge* queue_depth_;
   prometheus::Gauge* batch_size_;
   std::unique_ptr<prometheus::Exposer> exposer_;
+  std::string exposer_host_;  // where the destructor connects to wake the exposer
 };
 
 }  // namespace m3
