@@ -29,6 +29,10 @@ struct GemvArgs {
   int y_stride = 0;
   int batch = 0;
   GemvEpilogue epilogue = GemvEpilogue::Store;
+  // These rows run beside another chain's (the engine's split buckets): the row-block
+  // kernel then takes the whole batch in one tile (fewer blocks; the other chain fills
+  // the GPU).
+  bool beside_other_chains = false;
 };
 
 // Picks the batch tile and rows per warp for `batch`, checks sizes and shared memory.

@@ -429,7 +429,10 @@ KernelLaunch plan_gemv_mma_rows(const GemvArgs& a) {
   while (max_bt < 64 && max_bt < a.batch) max_bt *= 2;
   int bt = max_bt, ks = 4;
   double best = 1e30;
-  for (int cbt = max_bt; cbt >= 8; cbt /= 2) {
+  // Beside another chain, one batch tile (H200, PERFORMANCE_NOTES.md run 99: the batch-32
+  // bucket's halves 438 -> 423 us with 16-row tiles everywhere, batch 64 720 -> 716).
+  const int min_bt = a.beside_other_chains ? max_bt : 8;
+  for (int cbt = max_bt; cbt >= min_bt; cbt /= 2) {
     for (int cks : {2, 4, 8}) {
       const long blocks = row_blocks * ((a.batch + cbt - 1) / cbt) * cks;
       const int slice = (kblocks + cks - 1) / cks;

@@ -180,6 +180,7 @@ void CudaEngine::build_plans() {
       a.y_stride = out_rows;
       a.batch = rows;
       a.epilogue = epilogue;
+      a.beside_other_chains = split;
       return kernels::plan_gemv(a).named(name);
     };
     const size_t msize = weights_.type == kernels::WeightType::BF16 ? 2 : 4;
