@@ -155,10 +155,6 @@ __device__ __forceinline__ void allow_next_kernel() {
 #endif
 }
 
-// Pulls `r` into L2 without waiting for it. From sm_90 one thread per block asks the copy
-// engine for the block's share in one bulk prefetch (a per-line prefetch loop put
-// thousands of instructions in front of the kernel's own loads: +10% at batch 1);
-// older chips spread 128-byte line prefetches over all threads.
 // wait_for_previous_kernel, letting the next kernel launch before the wait (trigger_point
 // 2) or right after it (1); with 0 the caller triggers later (pdl_trigger_point, launch.cuh).
 __device__ __forceinline__ void wait_for_previous_kernel(int trigger_point) {
@@ -167,6 +163,10 @@ __device__ __forceinline__ void wait_for_previous_kernel(int trigger_point) {
   if (trigger_point == 1) allow_next_kernel();
 }
 
+// Pulls `r` into L2 without waiting for it. From sm_90 one thread per block asks the copy
+// engine for the block's share in one bulk prefetch (a per-line prefetch loop put
+// thousands of instructions in front of the kernel's own loads: +10% at batch 1);
+// older chips spread 128-byte line prefetches over all threads.
 __device__ __forceinline__ void prefetch_l2(const L2Prefetch& r) {
   if (r.ptr == nullptr) return;
   const uint64_t blocks = (uint64_t)gridDim.x * gridDim.y * gridDim.z;
