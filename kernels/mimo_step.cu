@@ -435,6 +435,11 @@ int fused_p_chunk(const MimoStepArgs& a) {
 }  // namespace
 
 bool mimo_step_can_fuse_out_proj(const MimoStepArgs& a) {
+  if (a.tensor_cores) {  // plan_mimo_step takes the tensor-core kernel where its shape applies
+    MimoStepArgs unfused = a;
+    unfused.out_proj = nullptr;
+    if (mimo_step_tc_applies(unfused)) return mimo_step_tc_can_fuse_out_proj(a);
+  }
   const int pc = fused_p_chunk(a);
   if (pc == 0 || a.d_model <= 0) return false;
   const size_t esize = a.out_proj_type == WeightType::BF16 ? 2 : 4;

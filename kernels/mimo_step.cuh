@@ -69,6 +69,9 @@ struct MimoStepArgs {
   // Optional fused out_proj (small batches): instead of writing o, each block multiplies
   // its o values by its columns of out_proj [d_model, H*P] and adds the products into
   // residual[b] with fp32 atomics (summation order varies run to run, within rounding).
+  // The tensor-core variant (mimo_step_tc_can_fuse_out_proj) takes bf16 columns, d_state
+  // 128, d_model a multiple of 4 up to 1024, and a residual stride that is a multiple of 4
+  // from a 16-byte aligned start (it adds four outputs with one vector atomic).
   const void* out_proj = nullptr;
   WeightType out_proj_type = WeightType::BF16;
   float* residual = nullptr;  // [batch, residual_stride]
@@ -77,15 +80,16 @@ struct MimoStepArgs {
 };
 
 // Whether plan_mimo_step can fuse out_proj for these sizes (the block's out_proj columns
-// must fit in shared memory next to the rest).
+// must fit in shared memory next to the rest), in the kernel args.tensor_cores picks.
 bool mimo_step_can_fuse_out_proj(const MimoStepArgs& args);
 
 KernelLaunch plan_mimo_step(const MimoStepArgs& args);
 
 // The tensor-core variant (picked by plan_mimo_step when args.tensor_cores is set and it
 // applies): rank 1, 2 or 4, headdim a multiple of 16 up to 64, d_state a multiple of 16
-// up to 128, out_proj not fused.
+// up to 128; with out_proj fused, also what mimo_step_tc_can_fuse_out_proj needs.
 bool mimo_step_tc_applies(const MimoStepArgs& args);
+bool mimo_step_tc_can_fuse_out_proj(const MimoStepArgs& args);
 KernelLaunch plan_mimo_step_tc(const MimoStepArgs& args);
 
 }  // namespace m3::kernels

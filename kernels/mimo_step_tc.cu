@@ -37,6 +37,7 @@ struct TcParams {
   MimoStepArgs a;
   MimoStateLayout layout;
   int trigger_point;  // recurrence_trigger_point(batch, beside_other_chains)
+  int p_blocks;       // blocks per head, each taking P / p_blocks state rows (fused: P / 16)
 };
 
 __device__ __forceinline__ uint32_t to_tf32(float v) {
@@ -55,17 +56,18 @@ __device__ __forceinline__ void mma_tf32(float (&d)[4], uint32_t a0, uint32_t a1
 }
 
 // Shared-memory plan, in floats (every part a multiple of 4, so float4 parts stay aligned).
+// PR: the block's state rows (P / p_blocks); DM: d_model when out_proj is fused, else 0.
 struct TcSmem {
-  int kf, qf, braw, craw, ys, scale, red, mx, mz, mo, on, sn, cs, total;
+  int kf, qf, braw, craw, ys, scale, red, mx, mz, mo, on, sn, cs, os, total;
 };
-__host__ __device__ inline TcSmem tc_smem(int R, int N, int P, int CS) {
+__host__ __device__ inline TcSmem tc_smem(int R, int N, int P, int PR, int CS, int DM) {
   TcSmem s{};
   int at = 0;
   s.kf = at; at += 8 * N;       // [N/16][32 lanes][4]: k and k_prev as update B fragments
   s.qf = at; at += 8 * N;       // [N/16][32 lanes][4]: q as y-product B fragments
   s.braw = at; at += R * N;     // in_proj B
   s.craw = at; at += R * N;     // in_proj C
-  s.ys = at; at += CS * R * P;  // y partial sums per column share
+  s.ys = at; at += CS * R * PR; // y partial sums per column share
   s.scale = at; at += (2 * R + 3) & ~3;
   s.red = at; at += 8 * R;      // output-norm partial sums
   s.mx = at; at += R * P;       // mimo_x, mimo_z, mimo_o of the head
@@ -74,22 +76,33 @@ __host__ __device__ inline TcSmem tc_smem(int R, int N, int P, int CS) {
   s.on = at; at += (P + 3) & ~3;  // output-norm weight of the head
   s.sn = at; at += 64;          // sin and cos of the head's new angles
   s.cs = at; at += 64;
+  s.os = at; at += DM > 0 ? (PR + 3) & ~3 : 0;  // the block's outputs, for the fused out_proj
   s.total = at;
   return s;
 }
 
 // R: rank (1, 2 or 4; the update's 8 inner slots hold R of k and R of k_prev, the rest
-// zero). CS: warps sharing a row tile (each takes N / CS columns). NG: 16-column groups
-// per warp at most (runtime count N / 16 / CS). The block always has 4 * CS warps; with
-// fewer than 64 rows the spare warps only help with the prologue.
+// zero). RT: 16-row tiles of the block (4: a whole head of up to 64 rows; 1: one of the
+// head's P / 16 blocks of 16 rows, for the fused out_proj). CS: warps sharing a row tile
+// (each takes N / CS columns). The block always has RT * CS warps; with fewer rows the
+// spare warps only help with the prologue.
+//
+// kFused: out_proj fused. Each block multiplies its 16 outputs by its 16 columns of
+// out_proj, held in registers from before the PDL wait, and adds the d_model products into
+// the residual stream with fp32 vector atomics: no out_proj kernel (and no kernel boundary)
+// follows, but the order of the additions over blocks, and so the last bits of the
+// residual, vary from run to run.
 //
 // Every load that does not depend on another (the state's and parameters' before the PDL
 // wait, in_proj's after it) is issued before the first use of any of them, so a block
 // waits for one memory round trip: the per-thread item counts below are compile-time, so
 // the loads sit in registers rather than in a load-store chain.
-template <int R, int CS, int NG>
-__global__ void __launch_bounds__(128 * CS, CS == 1 ? 4 : (CS == 2 ? 3 : 1)) mimo_step_tc_kernel(const TcParams prm) {
-  constexpr int kT = 128 * CS;
+template <int R, int RT, int CS, bool kFused>
+__global__ void __launch_bounds__(32 * RT * CS, kFused ? 2 : (CS == 1 ? 4 : (CS == 2 ? 3 : 1)))
+    mimo_step_tc_kernel(const TcParams prm) {
+  static_assert(!kFused || RT == 1, "the fused out_proj takes 16-row blocks");
+  constexpr int kT = 32 * RT * CS;
+  constexpr int NG = 8 / CS;  // 16-column groups per warp at most (runtime N / 16 / CS)
   constexpr int kKE = (256 + kT - 1) / kT;     // update-fragment entries per thread (2N <= 256)
   // Rotation items: pair i = tid % 64 at ranks tid / 64 + j * (kT / 64), j < kRJ.
   constexpr int kRJ = (R + kT / 64 - 1) / (kT / 64);
@@ -99,16 +112,17 @@ __global__ void __launch_bounds__(128 * CS, CS == 1 ? 4 : (CS == 2 ? 3 : 1)) mim
   const int P = a.headdim, N = a.d_state, S = a.n_angles;
   const int tid = threadIdx.x;
   const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
-  const int rt = warp & 3, ch = warp >> 2;
-  const bool updater = rt < P / 16;  // this warp owns state rows
-  const int p0 = rt * 16;
+  const int rt = warp % RT, ch = warp / RT;
+  const int PR = P / prm.p_blocks, pb = blockIdx.x % prm.p_blocks, p_base = pb * PR;
+  const bool updater = rt < PR / 16;  // this warp owns state rows
+  const int p0 = p_base + rt * 16;    // its first row in the head
   const int ng = N / 16 / CS;
   const int m0 = ch * ng;
   const int RN = R * N, RP = R * P, half = N / 2;
 
   extern __shared__ float4 smem4[];
   float* sm = reinterpret_cast<float*>(smem4);
-  const TcSmem L = tc_smem(R, N, P, CS);
+  const TcSmem L = tc_smem(R, N, P, PR, CS, kFused ? a.d_model : 0);
   float *kf = sm + L.kf, *qf = sm + L.qf, *braw = sm + L.braw, *craw = sm + L.craw;
   float *ys = sm + L.ys, *scale = sm + L.scale, *red = sm + L.red;
   float *mxs = sm + L.mx, *mzs = sm + L.mz, *mos = sm + L.mo, *ons = sm + L.on;
@@ -117,7 +131,7 @@ __global__ void __launch_bounds__(128 * CS, CS == 1 ? 4 : (CS == 2 ? 3 : 1)) mim
   const bool rotates = pair < half;
   const int pi0 = a.mimo_rotation ? pair : 2 * pair, pi1 = a.mimo_rotation ? pair + half : 2 * pair + 1;
 
-  const int h = blockIdx.x, b = blockIdx.y;
+  const int h = blockIdx.x / prm.p_blocks, b = blockIdx.y;
   // --- independent of the previous kernel: state rows, k_prev, parameters ---
   const auto [ssm, xprev, angle_old, angle_new, kprev_old, kprev_new] = mimo_head_state(a, prm.layout, b, h);
 
@@ -137,6 +151,20 @@ __global__ void __launch_bounds__(128 * CS, CS == 1 ? 4 : (CS == 2 ? 3 : 1)) mim
     if (t < R) {
       mxa0 = a.mimo_x[((int64_t)h * R + t) * P + p0 + g];
       mxa1 = a.mimo_x[((int64_t)h * R + t) * P + p0 + g + 8];
+    }
+  }
+  // Fused out_proj: thread i < d_model / 4 holds rows 4i .. 4i+3 of this block's 16 bf16
+  // columns (two 16-byte pieces a row, 32 registers) until the end.
+  uint4 wreg[kFused ? 8 : 1];
+  if constexpr (kFused) {
+    if (tid < a.d_model / 4) {
+      const uint16_t* src = static_cast<const uint16_t*>(a.out_proj) + (size_t)h * P + p_base;
+      const size_t row = (size_t)a.heads * P;
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        wreg[k] = *reinterpret_cast<const uint4*>(src + (4 * tid + k) * row);
+        wreg[4 + k] = *reinterpret_cast<const uint4*>(src + (4 * tid + k) * row + 8);
+      }
     }
   }
   prefetch_l2(a.prefetch[0]);
@@ -193,9 +221,9 @@ __global__ void __launch_bounds__(128 * CS, CS == 1 ? 4 : (CS == 2 ? 3 : 1)) mim
     x0 = w[a.off_x + h * P + p0 + g];
     x1 = w[a.off_x + h * P + p0 + g + 8];
   }
-  if (tid < P) {
-    e_x = w[a.off_x + h * P + tid];
-    e_z = w[a.off_z + h * P + tid];
+  if (tid < PR) {
+    e_x = w[a.off_x + h * P + p_base + tid];
+    e_z = w[a.off_z + h * P + p_base + tid];
   }
   float rb[kBI], rc[kBI];
 #pragma unroll
@@ -327,22 +355,24 @@ __global__ void __launch_bounds__(128 * CS, CS == 1 ? 4 : (CS == 2 ? 3 : 1)) mim
     for (int j = 0; j < 2; ++j) {
       const int r = 2 * t + j;
       if (r < R) {
-        ys[(ch * R + r) * P + p0 + g] = yacc[j];
-        ys[(ch * R + r) * P + p0 + g + 8] = yacc[2 + j];
+        ys[(ch * R + r) * PR + rt * 16 + g] = yacc[j];
+        ys[(ch * R + r) * PR + rt * 16 + g + 8] = yacc[2 + j];
       }
     }
   }
   if (prm.trigger_point == 0) allow_next_kernel();
   __syncthreads();
 
-  // Output, thread p < P: D skip, optional grouped norm, gate, mimo_o reduction.
+  // Output, thread tid < PR for row p = p_base + tid: D skip, optional grouped norm (whole
+  // heads only), gate, mimo_o reduction.
+  const int p = p_base + tid;
   float y[R];
-  if (tid < P) {
+  if (tid < PR) {
 #pragma unroll
     for (int r = 0; r < R; ++r) {
-      float v = Dh * (e_x * mxs[r * P + tid]);
+      float v = Dh * (e_x * mxs[r * P + p]);
 #pragma unroll
-      for (int c = 0; c < CS; ++c) v += ys[(c * R + r) * P + tid];
+      for (int c = 0; c < CS; ++c) v += ys[(c * R + r) * PR + tid];
       y[r] = v;
     }
   }
@@ -364,15 +394,47 @@ __global__ void __launch_bounds__(128 * CS, CS == 1 ? 4 : (CS == 2 ? 3 : 1)) mim
       }
     }
   }
-  if (tid < P) {
+  if (tid < PR) {
     float out = 0.f;
 #pragma unroll
     for (int r = 0; r < R; ++r) {
-      const float zv = e_z * mzs[r * P + tid];
-      out += y[r] * (zv * __frcp_rn(1.f + __expf(-zv))) * mos[r * P + tid];
+      const float zv = e_z * mzs[r * P + p];
+      out += y[r] * (zv * __frcp_rn(1.f + __expf(-zv))) * mos[r * P + p];
     }
-    a.o[(int64_t)b * a.o_stride + h * P + tid] = out;
-    xprev[tid] = e_x;  // every read of the old x_prev happened before the first barrier
+    if constexpr (kFused) {
+      sm[L.os + tid] = out;
+    } else {
+      a.o[(int64_t)b * a.o_stride + h * P + p] = out;
+    }
+    xprev[p] = e_x;  // every read of the old x_prev happened before the first barrier
+  }
+  if constexpr (kFused) {  // outputs 4i .. 4i+3 += W_out[4i .. 4i+3, this block's rows] . out
+    __syncthreads();
+    const float4* os4 = reinterpret_cast<const float4*>(sm + L.os);
+    float* res = a.residual + (int64_t)b * a.residual_stride;
+    if (const int i = tid; i < a.d_model / 4) {
+      float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+      for (int q = 0; q < 2; ++q) {
+        const float4 o0 = os4[2 * q], o1 = os4[2 * q + 1];
+        const float ov[8] = {o0.x, o0.y, o0.z, o0.w, o1.x, o1.y, o1.z, o1.w};
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          const uint4 wv = wreg[4 * q + k];
+          const uint32_t words[4] = {wv.x, wv.y, wv.z, wv.w};
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            acc[k] = fmaf(__uint_as_float(words[j] << 16), ov[2 * j], acc[k]);
+            acc[k] = fmaf(__uint_as_float(words[j] & 0xffff0000u), ov[2 * j + 1], acc[k]);
+          }
+        }
+      }
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+      atomicAdd(reinterpret_cast<float4*>(res) + i, make_float4(acc[0], acc[1], acc[2], acc[3]));
+#else
+      for (int k = 0; k < 4; ++k) atomicAdd(res + 4 * i + k, acc[k]);
+#endif
+    }
   }
 }
 
@@ -392,14 +454,36 @@ int recurrence_trigger_point(int batch, bool beside_other_chains) {
   return batch < 16 ? 1 : batch < 32 ? 4 : 3;
 }
 
-template <int R, int CS>
-KernelLaunch plan_cs(const MimoStepArgs& a) {
+template <int R, int RT, int CS, bool kFused>
+KernelLaunch plan_cs(const MimoStepArgs& a, int p_blocks = 1) {
   const TcParams prm{a, mimo_state_layout(a.heads, a.headdim, a.d_state, a.rank, a.n_angles),
-                     recurrence_trigger_point(a.batch, a.beside_other_chains)};
-  const TcSmem s = tc_smem(R, a.d_state, a.headdim, CS);
-  const int threads = 128 * CS;
-  return KernelLaunch::make("mimo_step_tc", mimo_step_tc_kernel<R, CS, 8 / CS>, dim3(a.heads, a.batch),
-                            dim3(threads), sizeof(float) * s.total, prm);
+                     recurrence_trigger_point(a.batch, a.beside_other_chains), p_blocks};
+  const TcSmem s = tc_smem(R, a.d_state, a.headdim, a.headdim / p_blocks, CS, kFused ? a.d_model : 0);
+  return KernelLaunch::make("mimo_step_tc", mimo_step_tc_kernel<R, RT, CS, kFused>,
+                            dim3(a.heads * p_blocks, a.batch), dim3(32 * RT * CS), sizeof(float) * s.total, prm);
+}
+
+bool mimo_step_tc_shape_applies(const MimoStepArgs& a) {
+  const bool rank_ok = a.rank == 1 || a.rank == 2 || a.rank == 4;
+  return rank_ok && a.headdim % 16 == 0 && a.headdim <= 64 && a.d_state % 16 == 0 &&
+         a.d_state <= 128 && 2 * a.n_angles <= a.d_state;
+}
+
+// Blocks per head with out_proj fused (0: it cannot be). Each block takes 16 of the head's
+// rows with 8 warps (one 16-column group of a 128-column state each) and its 256 threads
+// hold d_model / 4 rows of its columns. Why 16-row blocks (H200, s2s-14l, batch 1,
+// PERFORMANCE_NOTES.md runs 101-106): a whole head's columns (114 KB) do not fit in the RTX
+// 5090's shared memory; 32-row blocks staging 57 KB of columns in shared memory made the
+// multiprocessors drain to change their L1 / shared split beside the gemvs (the step
+// 137 -> 228 us); 16-row blocks with the columns in registers keep the footprint of the
+// unfused kernel and give 4 x 28 blocks to load the columns: 138 -> 127 us.
+int fused_blocks_per_head(const MimoStepArgs& a) {
+  if (a.out_proj == nullptr || a.out_proj_type != WeightType::BF16 || a.residual == nullptr) return 0;
+  if (a.d_model <= 0 || a.d_model % 4 != 0 || a.d_model > 4 * 256) return 0;
+  if (a.residual_stride % 4 != 0 || reinterpret_cast<uintptr_t>(a.residual) % 16 != 0) return 0;
+  const int p_blocks = a.headdim / 16;
+  if (a.d_state != 128 || (p_blocks > 1 && a.out_norm != nullptr)) return 0;  // grouped norm: whole heads
+  return p_blocks;
 }
 
 // Warps per row tile (each takes N / split columns): M3_MIMO_TC_SPLIT=1|2|4 for A/B
@@ -418,14 +502,15 @@ int column_split_override() {
 // two-warp tiles win (243 against 249, 1280 against 1311).
 template <int R>
 KernelLaunch plan_rank_tc(const MimoStepArgs& a) {
+  if (a.out_proj != nullptr) return plan_cs<R, 1, 8, true>(a, fused_blocks_per_head(a));
   const int groups = a.d_state / 16;
   const int forced = column_split_override();
-  if (forced == 4 && groups % 4 == 0) return plan_cs<R, 4>(a);
-  if (forced == 1 || groups % 2 != 0) return plan_cs<R, 1>(a);
-  KernelLaunch two = plan_cs<R, 2>(a);
+  if (forced == 4 && groups % 4 == 0) return plan_cs<R, 4, 4, false>(a);
+  if (forced == 1 || groups % 2 != 0) return plan_cs<R, 4, 1, false>(a);
+  KernelLaunch two = plan_cs<R, 4, 2, false>(a);
   if (forced == 2) return two;
   const int sms = multiprocessor_count();
-  KernelLaunch one = plan_cs<R, 1>(a);
+  KernelLaunch one = plan_cs<R, 4, 1, false>(a);
   const int blocks = a.heads * a.batch;
   const bool one_wave_only_with_one = blocks > two.resident_blocks_per_sm(256) * sms &&
                                       blocks <= one.resident_blocks_per_sm(128) * sms;
@@ -434,18 +519,21 @@ KernelLaunch plan_rank_tc(const MimoStepArgs& a) {
 
 }  // namespace
 
-// out_proj is never fused here: measured at batch 1, a block per head multiplying its 64
-// columns of out_proj (114 KB) took 193 us per step against 79 + 66 for the two kernels.
+
+bool mimo_step_tc_can_fuse_out_proj(const MimoStepArgs& a) {
+  return mimo_step_tc_shape_applies(a) && fused_blocks_per_head(a) > 0;
+}
+
 bool mimo_step_tc_applies(const MimoStepArgs& a) {
-  const bool rank_ok = a.rank == 1 || a.rank == 2 || a.rank == 4;
-  return rank_ok && a.headdim % 16 == 0 && a.headdim <= 64 && a.d_state % 16 == 0 &&
-         a.d_state <= 128 && 2 * a.n_angles <= a.d_state && a.out_proj == nullptr;
+  return mimo_step_tc_shape_applies(a) && (a.out_proj == nullptr || fused_blocks_per_head(a) > 0);
 }
 
 KernelLaunch plan_mimo_step_tc(const MimoStepArgs& a) {
   if (!mimo_step_tc_applies(a)) {
     throw std::invalid_argument("mimo_step (tensor cores): needs rank 1, 2 or 4, headdim a multiple of 16 "
-                                "up to 64, d_state a multiple of 16 up to 128, out_proj not fused");
+                                "up to 64, d_state a multiple of 16 up to 128; to fuse out_proj also bf16 "
+                                "weights, d_state 128, d_model a multiple of 4 up to 1024, a residual stride "
+                                "that is a multiple of 4, no grouped output norm across blocks");
   }
   switch (a.rank) {
     case 1: return plan_rank_tc<1>(a);

@@ -72,6 +72,7 @@ CudaEngine::CudaEngine(const ModelWeights& weights, const EngineOptions& options
     l2_prefetch_ = std::string(env) == "1";
   }
   mimo_tc_min_batch_ = kernels::env_int("M3_MIMO_TC_MIN_BATCH", mimo_tc_min_batch_);  // 0 or less: never
+  tc_fuse_max_batch_ = kernels::env_int("M3_MIMO_TC_FUSE_MAX_BATCH", tc_fuse_max_batch_);
   forced_chains_ = std::clamp(kernels::env_int("M3_CUDA_CHAINS", 0), 0, kMaxChains);
   M3_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   chain_streams_.resize(kMaxChains - 1);
@@ -236,8 +237,11 @@ void CudaEngine::build_plans() {
       m.tensor_cores = weights_.type == kernels::WeightType::BF16 && mimo_tc_min_batch_ > 0 &&
                        rows >= mimo_tc_min_batch_ && kernels::mimo_step_tc_applies(m);
       bool out_proj_fused = false;
-      // Measured: a gain at batch 1 and 2, a loss from batch 4 on (the atomics grow with it).
-      if (fuse_out_proj_ && rows <= 2 && !m.tensor_cores) {
+      // Measured: with the CUDA-core kernel a gain at batch 1 and 2, a loss from batch 4 on
+      // (the atomics grow with it); with the tensor-core kernel (H200, PERFORMANCE_NOTES.md
+      // runs 104-106) batch 1 138 -> 127 us a step, batch 2 163 -> 173, batch 8 219 -> 403
+      // (each block reads its out_proj columns for its one sequence).
+      if (fuse_out_proj_ && rows <= (m.tensor_cores ? tc_fuse_max_batch_ : 2)) {
         m.out_proj = lw.out_proj;
         m.out_proj_type = weights_.type;
         m.residual = res;

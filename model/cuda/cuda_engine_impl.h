@@ -87,6 +87,7 @@ class CudaEngine final : public Engine {
   bool pdl_ = true;
   bool fuse_out_proj_ = true;  // small buckets: out_proj inside mimo_step (atomics)
   int mimo_tc_min_batch_ = 1;  // bf16: tensor-core recurrence from this batch (M3_MIMO_TC_MIN_BATCH)
+  int tc_fuse_max_batch_ = 1;  // ... with out_proj fused up to this batch (M3_MIMO_TC_FUSE_MAX_BATCH)
   bool l2_prefetch_ = false;  // measured slower at batch 1 (notes); M3_CUDA_L2_PREFETCH=1 turns it on
   int device_ = 0;
 

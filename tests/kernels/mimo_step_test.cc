@@ -157,8 +157,9 @@ void run_dims(const Dims& d, uint32_t seed, int batch = 3, int fuse_d_model = 0,
   DeviceArray<int32_t> dparities(batch);
   DeviceArray<float> dw(static_cast<size_t>(batch) * w_stride);
   DeviceArray<float> dout(static_cast<size_t>(batch) * (d_inner + 2));
-  // Fused out_proj: W_out [fuse_d_model, d_inner], residual [batch, fuse_d_model + 1].
-  const int res_stride = fuse_d_model + 1;
+  // Fused out_proj: W_out [fuse_d_model, d_inner], residual [batch, res_stride] with a
+  // guard column past d_model (the tensor-core kernel needs a stride that is a multiple of 4).
+  const int res_stride = fuse_d_model + (tensor_cores ? 4 : 1);
   std::vector<float> w_out = testing::random_floats(static_cast<size_t>(std::max(fuse_d_model, 1)) * d_inner, seed + 30);
   if (fuse_type == kernels::WeightType::BF16) w_out = testing::round_bf16(w_out);
   DeviceArray<float> dw_out32(w_out);
@@ -284,6 +285,64 @@ TEST(MimoStepKernel, FusedOutProjAddsIntoTheResidual) {
   M3_REQUIRE_CUDA_DEVICE();
   run_dims({3, 48, 36, 4, 9, false, true}, 800, 3, 101, kernels::WeightType::BF16);
   run_dims({2, 32, 28, 2, 7, false, true}, 900, 5, 64, kernels::WeightType::F32);
+}
+
+// The tensor-core variant with out_proj fused: a head's rows in blocks of 16, each adding
+// its outputs' products into the residual; several heads, batch entries and ranks, the
+// s2s-14l widths (d_model 896), and a one-block head with the grouped norm. Every run
+// compares the residual (and the guard column past d_model) with the twin's.
+TEST(MimoStepKernel, TensorCoreVariantFusesOutProj) {
+  M3_REQUIRE_CUDA_DEVICE();
+  const auto bf16 = kernels::WeightType::BF16;
+  run_dims({3, 64, 128, 4, 32, false, true}, 1900, 1, 100, bf16, true);
+  run_dims({2, 64, 128, 4, 32, false, true}, 1950, 6, 36, bf16, true);
+  run_dims({2, 32, 128, 4, 16, false, true}, 2000, 3, 52, bf16, true);
+  run_dims({3, 64, 128, 2, 32, false, true}, 2200, 4, 24, bf16, true);
+  run_dims({2, 64, 128, 1, 32, false, false}, 2300, 2, 896, bf16, true);
+  run_dims({2, 16, 128, 4, 32, true, true}, 2400, 3, 64, bf16, true);
+}
+
+// What the tensor-core kernel cannot fuse (fp32 columns, a d_model over 1024 or not a
+// multiple of 4, a residual stride not a multiple of 4, a d_state other than 128, the
+// grouped norm over a head split in blocks); without out_proj it still applies.
+TEST(MimoStepKernel, TensorCoreVariantRefusesToFuseWhatItCannot) {
+  M3_REQUIRE_CUDA_DEVICE();
+  DeviceArray<uint16_t> w_out(2048 * 128);
+  DeviceArray<float> res(4 * 2052);
+  kernels::MimoStepArgs a;
+  a.heads = 2; a.headdim = 64; a.d_state = 128; a.rank = 4; a.n_angles = 32; a.batch = 1;
+  a.tensor_cores = true;
+  a.out_proj = w_out.get(); a.out_proj_type = kernels::WeightType::BF16;
+  a.residual = res.get(); a.residual_stride = 68; a.d_model = 64;
+  EXPECT_TRUE(kernels::mimo_step_can_fuse_out_proj(a));
+  EXPECT_TRUE(kernels::mimo_step_tc_applies(a));
+  EXPECT_EQ(kernels::plan_mimo_step(a).grid().x, 2u * 4u);  // 4 blocks of 16 rows a head
+  a.d_model = 62;
+  EXPECT_FALSE(kernels::mimo_step_can_fuse_out_proj(a));
+  a.d_model = 1028; a.residual_stride = 1028;
+  EXPECT_FALSE(kernels::mimo_step_can_fuse_out_proj(a));
+  a.d_model = 64;
+  a.residual_stride = 65;
+  EXPECT_FALSE(kernels::mimo_step_can_fuse_out_proj(a));
+  a.residual_stride = 68;
+  a.out_proj_type = kernels::WeightType::F32;
+  EXPECT_FALSE(kernels::mimo_step_tc_applies(a));
+  try {
+    kernels::plan_mimo_step(a);
+    FAIL() << "expected an error";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("out_proj cannot be fused"), std::string::npos) << e.what();
+  }
+  a.out_proj_type = kernels::WeightType::BF16;
+  a.d_state = 64;
+  EXPECT_FALSE(kernels::mimo_step_can_fuse_out_proj(a));
+  a.d_state = 128;
+  int dummy_norm = 0;
+  a.out_norm = reinterpret_cast<const float*>(&dummy_norm);  // only compared with nullptr here
+  EXPECT_FALSE(kernels::mimo_step_can_fuse_out_proj(a));
+  a.out_norm = nullptr;
+  a.out_proj = nullptr;
+  EXPECT_TRUE(kernels::mimo_step_tc_applies(a));
 }
 
 // The tensor-core variant: both column splits (N / 16 even or odd), ranks 1 to 4 (the
