@@ -8,6 +8,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "kernels/cluster.cuh"
 #include "kernels/common.cuh"
 #include "kernels/gemv_operands.cuh"
 #include "kernels/mma_bf16.cuh"
@@ -51,34 +52,6 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
 }
 __device__ __forceinline__ void cp_async_wait_all() {
   asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;" ::: "memory");
-}
-
-// Split cluster barrier (sm_90+; KS == 1 falls back to the block barrier): arrive with
-// release semantics once the partial tile is written and wait with acquire just before
-// reading the others' tiles, with independent work between the two.
-template <int KS>
-__device__ __forceinline__ void cluster_arrive_release() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  if constexpr (KS > 1) { asm volatile("barrier.cluster.arrive.release;" ::: "memory"); return; }
-#endif
-}
-template <int KS>
-__device__ __forceinline__ void cluster_wait_acquire() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  if constexpr (KS > 1) { asm volatile("barrier.cluster.wait.acquire;" ::: "memory"); return; }
-#endif
-  __syncthreads();
-}
-template <int KS>
-__device__ __forceinline__ const float* map_cluster_rank(const float* p, int rank) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  if constexpr (KS > 1) {
-    uint64_t out;
-    asm volatile("mapa.u64 %0, %1, %2;" : "=l"(out) : "l"(reinterpret_cast<uint64_t>(p)), "r"(rank));
-    return reinterpret_cast<const float*>(out);
-  }
-#endif
-  return p;
 }
 
 // Dynamic shared memory: bf16 x chunk [BT][kXWords], fp32 x chunk [BT][32 chunk_kb],
@@ -459,19 +432,6 @@ KernelLaunch plan_gemv_mma_rows(const GemvArgs& a) {
   return KernelLaunch::make("gemv_mma", rows_kernel(a.epilogue, bt, ks), grid, dim3(kThreads), l.smem, p);
 }
 
-namespace {
-// Whether the device launches thread-block clusters (sm_90 and later do; where it does not,
-// the 16-row kernel serves instead of failing at the first launch).
-bool clusters_supported() {
-  static const bool value = [] {
-    int device = 0, v = 0;
-    M3_CUDA_CHECK(cudaGetDevice(&device));
-    return cudaDeviceGetAttribute(&v, cudaDevAttrClusterLaunch, device) == cudaSuccess && v != 0;
-  }();
-  return value;
-}
-}  // namespace
-
 // M3_GEMV_MMA_ROWS=0 keeps the older 16-row kernel (A/B); M3_GEMV_MMA_ROWS_MIN_BATCH
 // moves the batch from which the row-block kernel is used. Below batch 8 it is used only
 // for matrices of many row blocks (measured at batch 4 on H200: in_proj 6.8 -> 5.9 us,
@@ -482,7 +442,7 @@ bool gemv_mma_rows_applies(const GemvArgs& a) {
   static const bool on = env_int("M3_GEMV_MMA_ROWS", 1) != 0;
   const int out_rows_per_block = a.epilogue == GemvEpilogue::GatedSilu ? kRowsPerBlock / 2 : kRowsPerBlock;
   const int row_blocks = (a.out_rows + out_rows_per_block - 1) / out_rows_per_block;
-  return on && a.batch >= min_b && (a.batch >= 8 || row_blocks >= 16) && clusters_supported();
+  return on && a.batch >= min_b && (a.batch >= 8 || row_blocks >= 16) && cluster_launch_supported();
 }
 
 }  // namespace m3::kernels

@@ -14,6 +14,15 @@ int multiprocessor_count() {
   return n;
 }
 
+bool cluster_launch_supported() {
+  static const bool value = [] {
+    int device = 0, v = 0;
+    M3_CUDA_CHECK(cudaGetDevice(&device));
+    return cudaDeviceGetAttribute(&v, cudaDevAttrClusterLaunch, device) == cudaSuccess && v != 0;
+  }();
+  return value;
+}
+
 int env_int(const char* name, int fallback) {
   const char* env = std::getenv(name);
   return env != nullptr ? std::atoi(env) : fallback;

@@ -15,6 +15,10 @@ namespace m3::kernels {
 // Multiprocessors of the current device (launch planning: waves, grid sizes).
 int multiprocessor_count();
 
+// Whether the current device launches thread-block clusters (sm_90 and later do; where it
+// does not, planners pick a kernel without them instead of failing at the first launch).
+bool cluster_launch_supported();
+
 // An integer environment switch for A/B measurements, or `fallback` when unset.
 int env_int(const char* name, int fallback);
 

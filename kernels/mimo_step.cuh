@@ -70,8 +70,9 @@ struct MimoStepArgs {
   // its o values by its columns of out_proj [d_model, H*P] and adds the products into
   // residual[b] with fp32 atomics (summation order varies run to run, within rounding).
   // The tensor-core variant (mimo_step_tc_can_fuse_out_proj) takes bf16 columns, d_state
-  // 128, d_model a multiple of 4 up to 1024, and a residual stride that is a multiple of 4
-  // from a 16-byte aligned start (it adds four outputs with one vector atomic).
+  // 128, d_model a multiple of 16 up to 1024, heads * headdim / 16 a multiple of 4, and a
+  // residual stride that is a multiple of 4 from a 16-byte aligned start (it adds four
+  // outputs with one vector atomic).
   const void* out_proj = nullptr;
   WeightType out_proj_type = WeightType::BF16;
   float* residual = nullptr;  // [batch, residual_stride]

@@ -26,6 +26,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "kernels/cluster.cuh"
 #include "kernels/common.cuh"
 #include "kernels/mimo_state.cuh"
 #include "kernels/mimo_step.cuh"
@@ -58,7 +59,7 @@ __device__ __forceinline__ void mma_tf32(float (&d)[4], uint32_t a0, uint32_t a1
 // Shared-memory plan, in floats (every part a multiple of 4, so float4 parts stay aligned).
 // PR: the block's state rows (P / p_blocks); DM: d_model when out_proj is fused, else 0.
 struct TcSmem {
-  int kf, qf, braw, craw, ys, scale, red, mx, mz, mo, on, sn, cs, os, total;
+  int kf, qf, braw, craw, ys, scale, red, mx, mz, mo, on, sn, cs, os, part, total;
 };
 __host__ __device__ inline TcSmem tc_smem(int R, int N, int P, int PR, int CS, int DM) {
   TcSmem s{};
@@ -77,6 +78,7 @@ __host__ __device__ inline TcSmem tc_smem(int R, int N, int P, int PR, int CS, i
   s.sn = at; at += 64;          // sin and cos of the head's new angles
   s.cs = at; at += 64;
   s.os = at; at += DM > 0 ? (PR + 3) & ~3 : 0;  // the block's outputs, for the fused out_proj
+  s.part = at; at += DM;                         // its partial sums of out_proj (float4 each)
   s.total = at;
   return s;
 }
@@ -87,19 +89,22 @@ __host__ __device__ inline TcSmem tc_smem(int R, int N, int P, int PR, int CS, i
 // (each takes N / CS columns). The block always has RT * CS warps; with fewer rows the
 // spare warps only help with the prologue.
 //
-// kFused: out_proj fused. Each block multiplies its 16 outputs by its 16 columns of
-// out_proj, held in registers from before the PDL wait, and adds the d_model products into
-// the residual stream with fp32 vector atomics: no out_proj kernel (and no kernel boundary)
-// follows, but the order of the additions over blocks, and so the last bits of the
-// residual, vary from run to run.
+// kFused: out_proj fused (mimo_step_tc_fused_kernel). The kFusedCluster blocks of a
+// cluster (one head's 4 blocks of 16 rows at s2s-14l) share their outputs through
+// distributed shared memory; block k then sums the k-th quarter of out_proj's rows over
+// the cluster's columns, held in registers from before the PDL wait, in a fixed order, and
+// adds the sums into the residual stream with fp32 vector atomics. No out_proj kernel (and
+// no kernel boundary) follows; the order of the additions over clusters, and so the last
+// bits of the residual, vary from run to run.
 //
 // Every load that does not depend on another (the state's and parameters' before the PDL
 // wait, in_proj's after it) is issued before the first use of any of them, so a block
 // waits for one memory round trip: the per-thread item counts below are compile-time, so
 // the loads sit in registers rather than in a load-store chain.
+constexpr int kFusedCluster = 4;
+
 template <int R, int RT, int CS, bool kFused>
-__global__ void __launch_bounds__(32 * RT * CS, kFused ? 2 : (CS == 1 ? 4 : (CS == 2 ? 3 : 1)))
-    mimo_step_tc_kernel(const TcParams prm) {
+__device__ __forceinline__ void mimo_step_tc_body(const TcParams& prm) {
   static_assert(!kFused || RT == 1, "the fused out_proj takes 16-row blocks");
   constexpr int kT = 32 * RT * CS;
   constexpr int NG = 8 / CS;  // 16-column groups per warp at most (runtime N / 16 / CS)
@@ -153,17 +158,23 @@ __global__ void __launch_bounds__(32 * RT * CS, kFused ? 2 : (CS == 1 ? 4 : (CS 
       mxa1 = a.mimo_x[((int64_t)h * R + t) * P + p0 + g + 8];
     }
   }
-  // Fused out_proj: thread i < d_model / 4 holds rows 4i .. 4i+3 of this block's 16 bf16
-  // columns (two 16-byte pieces a row, 32 registers) until the end.
+  // Fused out_proj: this block (cluster rank k) sums rows [k, k+1) * d_model / CL; thread
+  // (quad, cg) holds rows 4 (k nq + quad) .. + 3 of cluster block cg's 16 bf16 columns (two
+  // 16-byte pieces a row, 32 registers) until the end. A block's columns are
+  // blockIdx.x * 16 .. + 15 (blocks run head-major, P / 16 a head).
+  constexpr int CL = kFusedCluster;
+  const int nq = kFused ? a.d_model / 4 / CL : 0, rank = blockIdx.x % CL;
   uint4 wreg[kFused ? 8 : 1];
   if constexpr (kFused) {
-    if (tid < a.d_model / 4) {
-      const uint16_t* src = static_cast<const uint16_t*>(a.out_proj) + (size_t)h * P + p_base;
+    if (tid < nq * CL) {
+      const int quad = tid % nq, cg = tid / nq;
       const size_t row = (size_t)a.heads * P;
+      const uint16_t* src = static_cast<const uint16_t*>(a.out_proj) + (size_t)4 * (rank * nq + quad) * row +
+                            (size_t)(blockIdx.x - rank + cg) * 16;
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
-        wreg[k] = *reinterpret_cast<const uint4*>(src + (4 * tid + k) * row);
-        wreg[4 + k] = *reinterpret_cast<const uint4*>(src + (4 * tid + k) * row + 8);
+        wreg[k] = *reinterpret_cast<const uint4*>(src + k * row);
+        wreg[4 + k] = *reinterpret_cast<const uint4*>(src + k * row + 8);
       }
     }
   }
@@ -408,11 +419,13 @@ __global__ void __launch_bounds__(32 * RT * CS, kFused ? 2 : (CS == 1 ? 4 : (CS 
     }
     xprev[p] = e_x;  // every read of the old x_prev happened before the first barrier
   }
-  if constexpr (kFused) {  // outputs 4i .. 4i+3 += W_out[4i .. 4i+3, this block's rows] . out
-    __syncthreads();
-    const float4* os4 = reinterpret_cast<const float4*>(sm + L.os);
-    float* res = a.residual + (int64_t)b * a.residual_stride;
-    if (const int i = tid; i < a.d_model / 4) {
+  if constexpr (kFused) {
+    cluster_arrive_release<CL>();
+    cluster_wait_acquire<CL>();  // every block of the cluster has its outputs in shared memory
+    float4* part = reinterpret_cast<float4*>(sm + L.part);
+    if (tid < nq * CL) {  // partial sums of rows 4 (k nq + quad) .. + 3 over block cg's columns
+      const int quad = tid % nq, cg = tid / nq;
+      const float4* os4 = reinterpret_cast<const float4*>(map_cluster_rank<CL>(sm + L.os, cg));
       float acc[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
       for (int q = 0; q < 2; ++q) {
@@ -429,13 +442,37 @@ __global__ void __launch_bounds__(32 * RT * CS, kFused ? 2 : (CS == 1 ? 4 : (CS 
           }
         }
       }
+      part[cg * nq + quad] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+    }
+    cluster_arrive_release<CL>();  // this block has read the others' outputs
+    __syncthreads();
+    if (tid < nq) {
+      float4 sum = part[tid];
+#pragma unroll
+      for (int cg = 1; cg < CL; ++cg) {
+        const float4 v = part[cg * nq + tid];
+        sum.x += v.x; sum.y += v.y; sum.z += v.z; sum.w += v.w;
+      }
+      float* res = a.residual + (int64_t)b * a.residual_stride + 4 * (rank * nq + tid);
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-      atomicAdd(reinterpret_cast<float4*>(res) + i, make_float4(acc[0], acc[1], acc[2], acc[3]));
+      atomicAdd(reinterpret_cast<float4*>(res), sum);
 #else
-      for (int k = 0; k < 4; ++k) atomicAdd(res + 4 * i + k, acc[k]);
+      atomicAdd(res, sum.x); atomicAdd(res + 1, sum.y); atomicAdd(res + 2, sum.z); atomicAdd(res + 3, sum.w);
 #endif
     }
+    cluster_wait_acquire<CL>();  // keep this block's outputs until the cluster has read them
   }
+}
+
+template <int R, int CS>
+__global__ void __launch_bounds__(128 * CS, CS == 1 ? 4 : (CS == 2 ? 3 : 1)) mimo_step_tc_kernel(const TcParams prm) {
+  mimo_step_tc_body<R, 4, CS, false>(prm);
+}
+
+template <int R>
+__global__ void __cluster_dims__(kFusedCluster, 1, 1) __launch_bounds__(256, 2)
+    mimo_step_tc_fused_kernel(const TcParams prm) {
+  mimo_step_tc_body<R, 1, 8, true>(prm);
 }
 
 // Where the recurrence lets out_proj launch (pdl_trigger_point's 0-2, or 3 / 4: after its
@@ -454,13 +491,16 @@ int recurrence_trigger_point(int batch, bool beside_other_chains) {
   return batch < 16 ? 1 : batch < 32 ? 4 : 3;
 }
 
-template <int R, int RT, int CS, bool kFused>
-KernelLaunch plan_cs(const MimoStepArgs& a, int p_blocks = 1) {
-  const TcParams prm{a, mimo_state_layout(a.heads, a.headdim, a.d_state, a.rank, a.n_angles),
-                     recurrence_trigger_point(a.batch, a.beside_other_chains), p_blocks};
-  const TcSmem s = tc_smem(R, a.d_state, a.headdim, a.headdim / p_blocks, CS, kFused ? a.d_model : 0);
-  return KernelLaunch::make("mimo_step_tc", mimo_step_tc_kernel<R, RT, CS, kFused>,
-                            dim3(a.heads * p_blocks, a.batch), dim3(32 * RT * CS), sizeof(float) * s.total, prm);
+TcParams tc_params(const MimoStepArgs& a, int p_blocks) {
+  return TcParams{a, mimo_state_layout(a.heads, a.headdim, a.d_state, a.rank, a.n_angles),
+                  recurrence_trigger_point(a.batch, a.beside_other_chains), p_blocks};
+}
+
+template <int R, int CS>
+KernelLaunch plan_cs(const MimoStepArgs& a) {
+  const TcSmem s = tc_smem(R, a.d_state, a.headdim, a.headdim, CS, 0);
+  return KernelLaunch::make("mimo_step_tc", mimo_step_tc_kernel<R, CS>, dim3(a.heads, a.batch), dim3(128 * CS),
+                            sizeof(float) * s.total, tc_params(a, 1));
 }
 
 bool mimo_step_tc_shape_applies(const MimoStepArgs& a) {
@@ -470,20 +510,31 @@ bool mimo_step_tc_shape_applies(const MimoStepArgs& a) {
 }
 
 // Blocks per head with out_proj fused (0: it cannot be). Each block takes 16 of the head's
-// rows with 8 warps (one 16-column group of a 128-column state each) and its 256 threads
-// hold d_model / 4 rows of its columns. Why 16-row blocks (H200, s2s-14l, batch 1,
-// PERFORMANCE_NOTES.md runs 101-106): a whole head's columns (114 KB) do not fit in the RTX
-// 5090's shared memory; 32-row blocks staging 57 KB of columns in shared memory made the
-// multiprocessors drain to change their L1 / shared split beside the gemvs (the step
-// 137 -> 228 us); 16-row blocks with the columns in registers keep the footprint of the
-// unfused kernel and give 4 x 28 blocks to load the columns: 138 -> 127 us.
+// rows with 8 warps (one 16-column group of a 128-column state each); clusters of
+// kFusedCluster blocks reduce their products before the atomics. Measured (H200, s2s-14l,
+// batch 1, PERFORMANCE_NOTES.md runs 101-113): a whole head's columns (114 KB) do not fit
+// in the RTX 5090's shared memory; 32-row blocks staging 57 KB of columns in shared memory
+// made the multiprocessors drain to change their L1 / shared split beside the gemvs (the
+// step 137 -> 228 us); 16-row blocks with the columns in registers keep the unfused
+// kernel's footprint (137 -> 118-131 us, by where the buffers land); their 112 x 224
+// vector atomics cost 8-21 us a step (none: 110 us; four times as many scalar ones: 173-196),
+// hence the cluster's sum first.
 int fused_blocks_per_head(const MimoStepArgs& a) {
   if (a.out_proj == nullptr || a.out_proj_type != WeightType::BF16 || a.residual == nullptr) return 0;
-  if (a.d_model <= 0 || a.d_model % 4 != 0 || a.d_model > 4 * 256) return 0;
+  if (a.d_model <= 0 || a.d_model % (4 * kFusedCluster) != 0 || a.d_model > 4 * 256) return 0;
   if (a.residual_stride % 4 != 0 || reinterpret_cast<uintptr_t>(a.residual) % 16 != 0) return 0;
   const int p_blocks = a.headdim / 16;
   if (a.d_state != 128 || (p_blocks > 1 && a.out_norm != nullptr)) return 0;  // grouped norm: whole heads
+  if ((a.heads * p_blocks) % kFusedCluster != 0 || !cluster_launch_supported()) return 0;
   return p_blocks;
+}
+
+template <int R>
+KernelLaunch plan_fused(const MimoStepArgs& a) {
+  const int p_blocks = fused_blocks_per_head(a);
+  const TcSmem s = tc_smem(R, a.d_state, a.headdim, 16, 8, a.d_model);
+  return KernelLaunch::make("mimo_step_tc", mimo_step_tc_fused_kernel<R>, dim3(a.heads * p_blocks, a.batch),
+                            dim3(256), sizeof(float) * s.total, tc_params(a, p_blocks));
 }
 
 // Warps per row tile (each takes N / split columns): M3_MIMO_TC_SPLIT=1|2|4 for A/B
@@ -502,15 +553,15 @@ int column_split_override() {
 // two-warp tiles win (243 against 249, 1280 against 1311).
 template <int R>
 KernelLaunch plan_rank_tc(const MimoStepArgs& a) {
-  if (a.out_proj != nullptr) return plan_cs<R, 1, 8, true>(a, fused_blocks_per_head(a));
+  if (a.out_proj != nullptr) return plan_fused<R>(a);
   const int groups = a.d_state / 16;
   const int forced = column_split_override();
-  if (forced == 4 && groups % 4 == 0) return plan_cs<R, 4, 4, false>(a);
-  if (forced == 1 || groups % 2 != 0) return plan_cs<R, 4, 1, false>(a);
-  KernelLaunch two = plan_cs<R, 4, 2, false>(a);
+  if (forced == 4 && groups % 4 == 0) return plan_cs<R, 4>(a);
+  if (forced == 1 || groups % 2 != 0) return plan_cs<R, 1>(a);
+  KernelLaunch two = plan_cs<R, 2>(a);
   if (forced == 2) return two;
   const int sms = multiprocessor_count();
-  KernelLaunch one = plan_cs<R, 4, 1, false>(a);
+  KernelLaunch one = plan_cs<R, 1>(a);
   const int blocks = a.heads * a.batch;
   const bool one_wave_only_with_one = blocks > two.resident_blocks_per_sm(256) * sms &&
                                       blocks <= one.resident_blocks_per_sm(128) * sms;
@@ -532,8 +583,9 @@ KernelLaunch plan_mimo_step_tc(const MimoStepArgs& a) {
   if (!mimo_step_tc_applies(a)) {
     throw std::invalid_argument("mimo_step (tensor cores): needs rank 1, 2 or 4, headdim a multiple of 16 "
                                 "up to 64, d_state a multiple of 16 up to 128; to fuse out_proj also bf16 "
-                                "weights, d_state 128, d_model a multiple of 4 up to 1024, a residual stride "
-                                "that is a multiple of 4, no grouped output norm across blocks");
+                                "weights, d_state 128, d_model a multiple of 16 up to 1024, heads x headdim / "
+                                "16 a multiple of 4, a residual stride that is a multiple of 4, no grouped "
+                                "output norm across blocks");
   }
   switch (a.rank) {
     case 1: return plan_rank_tc<1>(a);

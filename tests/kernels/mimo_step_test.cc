@@ -287,24 +287,26 @@ TEST(MimoStepKernel, FusedOutProjAddsIntoTheResidual) {
   run_dims({2, 32, 28, 2, 7, false, true}, 900, 5, 64, kernels::WeightType::F32);
 }
 
-// The tensor-core variant with out_proj fused: a head's rows in blocks of 16, each adding
-// its outputs' products into the residual; several heads, batch entries and ranks, the
-// s2s-14l widths (d_model 896), and a one-block head with the grouped norm. Every run
-// compares the residual (and the guard column past d_model) with the twin's.
+// The tensor-core variant with out_proj fused: a head's rows in blocks of 16, clusters of
+// 4 blocks (one head, two heads of 32 rows, four of 16) adding their products into the
+// residual; several batch entries and ranks, the s2s-14l widths (d_model 896), and
+// one-block heads with the grouped norm. Every run compares the residual (and the guard
+// column past d_model) with the twin's.
 TEST(MimoStepKernel, TensorCoreVariantFusesOutProj) {
   M3_REQUIRE_CUDA_DEVICE();
   const auto bf16 = kernels::WeightType::BF16;
-  run_dims({3, 64, 128, 4, 32, false, true}, 1900, 1, 100, bf16, true);
-  run_dims({2, 64, 128, 4, 32, false, true}, 1950, 6, 36, bf16, true);
-  run_dims({2, 32, 128, 4, 16, false, true}, 2000, 3, 52, bf16, true);
-  run_dims({3, 64, 128, 2, 32, false, true}, 2200, 4, 24, bf16, true);
+  run_dims({3, 64, 128, 4, 32, false, true}, 1900, 1, 112, bf16, true);
+  run_dims({2, 64, 128, 4, 32, false, true}, 1950, 6, 48, bf16, true);
+  run_dims({2, 32, 128, 4, 16, false, true}, 2000, 3, 64, bf16, true);
+  run_dims({3, 64, 128, 2, 32, false, true}, 2200, 4, 32, bf16, true);
   run_dims({2, 64, 128, 1, 32, false, false}, 2300, 2, 896, bf16, true);
-  run_dims({2, 16, 128, 4, 32, true, true}, 2400, 3, 64, bf16, true);
+  run_dims({4, 16, 128, 4, 32, true, true}, 2400, 3, 64, bf16, true);
 }
 
 // What the tensor-core kernel cannot fuse (fp32 columns, a d_model over 1024 or not a
-// multiple of 4, a residual stride not a multiple of 4, a d_state other than 128, the
-// grouped norm over a head split in blocks); without out_proj it still applies.
+// multiple of 16, a residual stride not a multiple of 4, a d_state other than 128, blocks
+// that do not fill clusters of 4, the grouped norm over a head split in blocks); without
+// out_proj it still applies.
 TEST(MimoStepKernel, TensorCoreVariantRefusesToFuseWhatItCannot) {
   M3_REQUIRE_CUDA_DEVICE();
   DeviceArray<uint16_t> w_out(2048 * 128);
@@ -317,7 +319,7 @@ TEST(MimoStepKernel, TensorCoreVariantRefusesToFuseWhatItCannot) {
   EXPECT_TRUE(kernels::mimo_step_can_fuse_out_proj(a));
   EXPECT_TRUE(kernels::mimo_step_tc_applies(a));
   EXPECT_EQ(kernels::plan_mimo_step(a).grid().x, 2u * 4u);  // 4 blocks of 16 rows a head
-  a.d_model = 62;
+  a.d_model = 72;
   EXPECT_FALSE(kernels::mimo_step_can_fuse_out_proj(a));
   a.d_model = 1028; a.residual_stride = 1028;
   EXPECT_FALSE(kernels::mimo_step_can_fuse_out_proj(a));
@@ -337,6 +339,9 @@ TEST(MimoStepKernel, TensorCoreVariantRefusesToFuseWhatItCannot) {
   a.d_state = 64;
   EXPECT_FALSE(kernels::mimo_step_can_fuse_out_proj(a));
   a.d_state = 128;
+  a.heads = 1; a.headdim = 32;  // two blocks of 16 rows
+  EXPECT_FALSE(kernels::mimo_step_can_fuse_out_proj(a));
+  a.heads = 2; a.headdim = 64;
   int dummy_norm = 0;
   a.out_norm = reinterpret_cast<const float*>(&dummy_norm);  // only compared with nullptr here
   EXPECT_FALSE(kernels::mimo_step_can_fuse_out_proj(a));
