@@ -89,21 +89,19 @@ __host__ __device__ inline TcSmem tc_smem(int R, int N, int P, int PR, int CS, i
 // (each takes N / CS columns). The block always has RT * CS warps; with fewer rows the
 // spare warps only help with the prologue.
 //
-// kFused: out_proj fused (mimo_step_tc_fused_kernel). The kFusedCluster blocks of a
-// cluster (one head's 4 blocks of 16 rows at s2s-14l) share their outputs through
-// distributed shared memory; block k then sums the k-th quarter of out_proj's rows over
-// the cluster's columns, held in registers from before the PDL wait, in a fixed order, and
-// adds the sums into the residual stream with fp32 vector atomics. No out_proj kernel (and
-// no kernel boundary) follows; the order of the additions over clusters, and so the last
-// bits of the residual, vary from run to run.
+// kFused: out_proj fused (mimo_step_tc_fused_kernel). The CL blocks of a cluster (two
+// heads' 8 blocks of 16 rows at s2s-14l) share their outputs through distributed shared
+// memory; block k then sums the k-th CL-th of out_proj's rows over the cluster's columns,
+// held in registers from before the PDL wait, in a fixed order, and adds the sums into the
+// residual stream with fp32 vector atomics. No out_proj kernel (and no kernel boundary)
+// follows; the order of the additions over clusters, and so the last bits of the
+// residual, vary from run to run.
 //
 // Every load that does not depend on another (the state's and parameters' before the PDL
 // wait, in_proj's after it) is issued before the first use of any of them, so a block
 // waits for one memory round trip: the per-thread item counts below are compile-time, so
 // the loads sit in registers rather than in a load-store chain.
-constexpr int kFusedCluster = 4;
-
-template <int R, int RT, int CS, bool kFused>
+template <int R, int RT, int CS, bool kFused, int CL = 1>
 __device__ __forceinline__ void mimo_step_tc_body(const TcParams& prm) {
   static_assert(!kFused || RT == 1, "the fused out_proj takes 16-row blocks");
   constexpr int kT = 32 * RT * CS;
@@ -158,11 +156,10 @@ __device__ __forceinline__ void mimo_step_tc_body(const TcParams& prm) {
       mxa1 = a.mimo_x[((int64_t)h * R + t) * P + p0 + g + 8];
     }
   }
-  // Fused out_proj: this block (cluster rank k) sums rows [k, k+1) * d_model / CL; thread
+  // Fused out_proj: this block (cluster rank k) sums rows [k, k + 1) * d_model / CL; thread
   // (quad, cg) holds rows 4 (k nq + quad) .. + 3 of cluster block cg's 16 bf16 columns (two
   // 16-byte pieces a row, 32 registers) until the end. A block's columns are
   // blockIdx.x * 16 .. + 15 (blocks run head-major, P / 16 a head).
-  constexpr int CL = kFusedCluster;
   const int nq = kFused ? a.d_model / 4 / CL : 0, rank = blockIdx.x % CL;
   uint4 wreg[kFused ? 8 : 1];
   if constexpr (kFused) {
@@ -469,10 +466,9 @@ __global__ void __launch_bounds__(128 * CS, CS == 1 ? 4 : (CS == 2 ? 3 : 1)) mim
   mimo_step_tc_body<R, 4, CS, false>(prm);
 }
 
-template <int R>
-__global__ void __cluster_dims__(kFusedCluster, 1, 1) __launch_bounds__(256, 2)
-    mimo_step_tc_fused_kernel(const TcParams prm) {
-  mimo_step_tc_body<R, 1, 8, true>(prm);
+template <int R, int CL>
+__global__ void __cluster_dims__(CL, 1, 1) __launch_bounds__(256, 2) mimo_step_tc_fused_kernel(const TcParams prm) {
+  mimo_step_tc_body<R, 1, 8, true, CL>(prm);
 }
 
 // Where the recurrence lets out_proj launch (pdl_trigger_point's 0-2, or 3 / 4: after its
@@ -509,23 +505,34 @@ bool mimo_step_tc_shape_applies(const MimoStepArgs& a) {
          a.d_state <= 128 && 2 * a.n_angles <= a.d_state;
 }
 
+// Blocks of a cluster of the fused kernel for p_blocks blocks a head: 8 where the shape
+// allows, else 4 (0: neither). M3_MIMO_TC_FUSED_CLUSTER=4|8 forces one (A/B).
+int fused_cluster(const MimoStepArgs& a, int p_blocks) {
+  static const int forced = env_int("M3_MIMO_TC_FUSED_CLUSTER", 0);
+  for (const int cl : {8, 4}) {
+    if (forced != 0 && cl != forced) continue;
+    if ((a.heads * p_blocks) % cl == 0 && a.d_model % (4 * cl) == 0) return cl;
+  }
+  return 0;
+}
+
 // Blocks per head with out_proj fused (0: it cannot be). Each block takes 16 of the head's
-// rows with 8 warps (one 16-column group of a 128-column state each); clusters of
-// kFusedCluster blocks reduce their products before the atomics. Measured (H200, s2s-14l,
-// batch 1, PERFORMANCE_NOTES.md runs 101-113): a whole head's columns (114 KB) do not fit
-// in the RTX 5090's shared memory; 32-row blocks staging 57 KB of columns in shared memory
-// made the multiprocessors drain to change their L1 / shared split beside the gemvs (the
-// step 137 -> 228 us); 16-row blocks with the columns in registers keep the unfused
-// kernel's footprint (137 -> 118-131 us, by where the buffers land); their 112 x 224
-// vector atomics cost 8-21 us a step (none: 110 us; four times as many scalar ones: 173-196),
-// hence the cluster's sum first.
+// rows with 8 warps (one 16-column group of a 128-column state each); clusters of blocks
+// sum their products before the atomics. Measured (H200, s2s-14l, batch 1,
+// PERFORMANCE_NOTES.md runs 101-114): a whole head's columns (114 KB) do not fit in the
+// RTX 5090's shared memory; 32-row blocks staging 57 KB of columns in shared memory made
+// the multiprocessors drain to change their L1 / shared split beside the gemvs (the step
+// 137 -> 228 us); 16-row blocks with the columns in registers keep the unfused kernel's
+// footprint: 137 -> 118-131 us (by where the buffers landed), of which the 112 x 224
+// vector atomics cost 8-21 us (none: 110 us). Summed over clusters of 4 blocks first:
+// 119-121 us whatever the buffers; of 8 (two heads): 115.
 int fused_blocks_per_head(const MimoStepArgs& a) {
   if (a.out_proj == nullptr || a.out_proj_type != WeightType::BF16 || a.residual == nullptr) return 0;
-  if (a.d_model <= 0 || a.d_model % (4 * kFusedCluster) != 0 || a.d_model > 4 * 256) return 0;
+  if (a.d_model <= 0 || a.d_model % 4 != 0 || a.d_model > 4 * 256) return 0;
   if (a.residual_stride % 4 != 0 || reinterpret_cast<uintptr_t>(a.residual) % 16 != 0) return 0;
   const int p_blocks = a.headdim / 16;
   if (a.d_state != 128 || (p_blocks > 1 && a.out_norm != nullptr)) return 0;  // grouped norm: whole heads
-  if ((a.heads * p_blocks) % kFusedCluster != 0 || !cluster_launch_supported()) return 0;
+  if (fused_cluster(a, p_blocks) == 0 || !cluster_launch_supported()) return 0;
   return p_blocks;
 }
 
@@ -533,8 +540,11 @@ template <int R>
 KernelLaunch plan_fused(const MimoStepArgs& a) {
   const int p_blocks = fused_blocks_per_head(a);
   const TcSmem s = tc_smem(R, a.d_state, a.headdim, 16, 8, a.d_model);
-  return KernelLaunch::make("mimo_step_tc", mimo_step_tc_fused_kernel<R>, dim3(a.heads * p_blocks, a.batch),
-                            dim3(256), sizeof(float) * s.total, tc_params(a, p_blocks));
+  return KernelLaunch::make("mimo_step_tc",
+                            fused_cluster(a, p_blocks) == 8 ? mimo_step_tc_fused_kernel<R, 8>
+                                                            : mimo_step_tc_fused_kernel<R, 4>,
+                            dim3(a.heads * p_blocks, a.batch), dim3(256), sizeof(float) * s.total,
+                            tc_params(a, p_blocks));
 }
 
 // Warps per row tile (each takes N / split columns): M3_MIMO_TC_SPLIT=1|2|4 for A/B

@@ -288,9 +288,9 @@ TEST(MimoStepKernel, FusedOutProjAddsIntoTheResidual) {
 }
 
 // The tensor-core variant with out_proj fused: a head's rows in blocks of 16, clusters of
-// 4 blocks (one head, two heads of 32 rows, four of 16) adding their products into the
-// residual; several batch entries and ranks, the s2s-14l widths (d_model 896), and
-// one-block heads with the grouped norm. Every run compares the residual (and the guard
+// 4 blocks (one head, two heads of 32 rows, four of 16) or 8 (d_model 896: two heads)
+// adding their products into the residual; several batch entries and ranks, and one-block
+// heads with the grouped norm. Every run compares the residual (and the guard
 // column past d_model) with the twin's.
 TEST(MimoStepKernel, TensorCoreVariantFusesOutProj) {
   M3_REQUIRE_CUDA_DEVICE();
@@ -319,6 +319,9 @@ TEST(MimoStepKernel, TensorCoreVariantRefusesToFuseWhatItCannot) {
   EXPECT_TRUE(kernels::mimo_step_can_fuse_out_proj(a));
   EXPECT_TRUE(kernels::mimo_step_tc_applies(a));
   EXPECT_EQ(kernels::plan_mimo_step(a).grid().x, 2u * 4u);  // 4 blocks of 16 rows a head
+  a.heads = 3;  // 12 blocks: clusters of 4, not 8
+  EXPECT_TRUE(kernels::mimo_step_can_fuse_out_proj(a));
+  a.heads = 2;
   a.d_model = 72;
   EXPECT_FALSE(kernels::mimo_step_can_fuse_out_proj(a));
   a.d_model = 1028; a.residual_stride = 1028;
