@@ -53,6 +53,13 @@ if [[ $MODE == all || $MODE == check ]]; then
       rc=$?
       summary+=("m3check cuda $c $d: exit $rc: $(tail -2 "$OUT/m3check_${c}_$d.log" | tr '\n' ' ')")
     done
+    # Each sequence alone: the batch-1 plan (out_proj fused into the recurrence).
+    for d in fp32 bf16; do
+      "$BIN/m3check" "$GOLDEN/$c" "$GOLDEN/$c/trajectory.safetensors" --backend cuda --dtype $d --one-at-a-time \
+          >"$OUT/m3check_${c}_${d}_alone.log" 2>&1
+      rc=$?
+      summary+=("m3check cuda $c $d, one at a time: exit $rc: $(tail -2 "$OUT/m3check_${c}_${d}_alone.log" | tr '\n' ' ')")
+    done
     # bf16 engines run the recurrence on tensor cores; check the CUDA-core kernel with
     # bf16 weights too (M3_MIMO_TC_MIN_BATCH=0 turns the tensor-core variant off).
     M3_MIMO_TC_MIN_BATCH=0 "$BIN/m3check" "$GOLDEN/$c" "$GOLDEN/$c/trajectory.safetensors" --backend cuda \

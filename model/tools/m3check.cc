@@ -1,7 +1,9 @@
-// m3check MODEL_DIR TRAJECTORY [--backend cpu|cuda|auto] [--dtype fp32|bf16]
+// m3check MODEL_DIR TRAJECTORY [--backend cpu|cuda|auto] [--dtype fp32|bf16] [--one-at-a-time]
 //
 // Replays a decode trajectory (teacher forcing: every input is the trajectory's token) on
-// an engine and compares each step's logits with the reference:
+// an engine and compares each step's logits with the reference. The sequences decode side
+// by side (one batch of B), or with --one-at-a-time each alone (the engine's batch-1 plan,
+// which on the CUDA backend runs other kernels):
 //   err(b, t) = max|logits - ref| / max|ref|, reported as the max over all steps;
 //   greedy_match: for t >= Lp-1 the engine's greedy sample equals greedy_ids[b, t+1].
 // Prints one line "max_rel_err=<x> greedy_match=<yes|no>" on stdout (detail on stderr).
@@ -41,12 +43,14 @@ struct UsageError : std::runtime_error {
 struct Options {
   std::string model_dir, trajectory, backend = "cpu";
   m3::WeightDType dtype = m3::WeightDType::F32;
+  bool one_at_a_time = false;
 };
 
 const char* kUsage =
-    "usage: m3check MODEL_DIR TRAJECTORY [--backend cpu|cuda|auto] [--dtype fp32|bf16]\n"
+    "usage: m3check MODEL_DIR TRAJECTORY [--backend cpu|cuda|auto] [--dtype fp32|bf16] [--one-at-a-time]\n"
     "  TRAJECTORY: safetensors with prompt_ids I64 [B,Lp], logits F32 [B,Lp+Ln-1,V],\n"
-    "  greedy_ids I64 [B,Lp+Ln]. Exit: 0 ok, 1 outside tolerance, 2 usage, 3 bad input.\n";
+    "  greedy_ids I64 [B,Lp+Ln]. --one-at-a-time: each sequence decodes alone (batch 1)\n"
+    "  instead of all B side by side. Exit: 0 ok, 1 outside tolerance, 2 usage, 3 bad input.\n";
 
 Options parse_args(int argc, char** argv) {
   Options o;
@@ -67,6 +71,8 @@ Options parse_args(int argc, char** argv) {
       if (!m3::parse_weight_dtype(d, &o.dtype)) {
         throw UsageError("--dtype must be fp32 or bf16, got \"" + d + "\"");
       }
+    } else if (arg == "--one-at-a-time") {
+      o.one_at_a_time = true;
     } else if (arg == "-h" || arg == "--help") {
       throw UsageError("");
     } else if (arg.size() > 1 && arg[0] == '-') {
@@ -167,24 +173,23 @@ struct Result {
   bool mismatch_outside_tie = false;
 };
 
-Result replay(m3::Engine& engine, const Trajectory& tr) {
-  const int B = tr.B, T = tr.T, V = tr.V;
-  std::vector<int32_t> slots(static_cast<size_t>(B)), tokens(slots.size()), sampled(slots.size());
-  std::vector<float> logits(static_cast<size_t>(B) * V);
-  for (int b = 0; b < B; ++b) {
-    slots[static_cast<size_t>(b)] = b;
+// Replays the sequences `seqs` side by side (sequence b in slot b), folding into `res`.
+void replay_batch(m3::Engine& engine, const Trajectory& tr, const std::vector<int32_t>& seqs, Result& res) {
+  const int n = static_cast<int>(seqs.size()), T = tr.T, V = tr.V;
+  std::vector<int32_t> tokens(seqs.size()), sampled(seqs.size());
+  std::vector<float> logits(static_cast<size_t>(n) * V);
+  for (const int32_t b : seqs) {
     engine.reset(b);
     engine.set_sampling(b, m3::SamplingParams{});  // greedy
   }
-  Result res;
   for (int t = 0; t < T; ++t) {
-    for (int b = 0; b < B; ++b) {
-      tokens[static_cast<size_t>(b)] =
-          static_cast<int32_t>(tr.greedy_ids[static_cast<size_t>(b) * (T + 1) + t]);
+    for (int i = 0; i < n; ++i) {
+      tokens[static_cast<size_t>(i)] = static_cast<int32_t>(tr.greedy_ids[static_cast<size_t>(seqs[i]) * (T + 1) + t]);
     }
-    engine.step(slots, tokens, sampled, logits);
-    for (int b = 0; b < B; ++b) {
-      const float* ours = logits.data() + static_cast<size_t>(b) * V;
+    engine.step(seqs, tokens, sampled, logits);
+    for (int i = 0; i < n; ++i) {
+      const int b = seqs[static_cast<size_t>(i)];
+      const float* ours = logits.data() + static_cast<size_t>(i) * V;
       const float* ref = tr.logits.data() + (static_cast<size_t>(b) * T + t) * V;
       double max_diff = 0.0, max_ref = 0.0;
       for (int v = 0; v < V; ++v) {
@@ -200,7 +205,7 @@ Result replay(m3::Engine& engine, const Trajectory& tr) {
       }
       if (t < tr.Lp - 1) continue;
       const int64_t want = tr.greedy_ids[static_cast<size_t>(b) * (T + 1) + t + 1];
-      const int32_t got = sampled[static_cast<size_t>(b)];
+      const int32_t got = sampled[static_cast<size_t>(i)];
       if (got != want) {
         res.greedy_match = false;
         const double gap = static_cast<double>(ref[want]) - ref[got];
@@ -213,6 +218,17 @@ Result replay(m3::Engine& engine, const Trajectory& tr) {
                      near_tie ? ", near tie" : "");
       }
     }
+  }
+}
+
+Result replay(m3::Engine& engine, const Trajectory& tr, bool one_at_a_time) {
+  Result res;
+  std::vector<int32_t> all(static_cast<size_t>(tr.B));
+  for (int b = 0; b < tr.B; ++b) all[static_cast<size_t>(b)] = b;
+  if (!one_at_a_time) {
+    replay_batch(engine, tr, all, res);
+  } else {
+    for (const int32_t b : all) replay_batch(engine, tr, {b}, res);
   }
   return res;
 }
@@ -253,16 +269,16 @@ int main(int argc, char** argv) {
 
   Result res;
   try {
-    res = replay(*engine, tr);
+    res = replay(*engine, tr, opt.one_at_a_time);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "m3check: %s\n", e.what());
     return kExitInput;
   }
   std::fprintf(stderr,
-               "m3check: backend %s, weights %s, %d sequences x %d steps, tolerance %.0e, "
+               "m3check: backend %s, weights %s, %d sequences x %d steps%s, tolerance %.0e, "
                "worst step %d of sequence %d\n",
                std::string(engine->backend()).c_str(), bf16 ? "bf16" : "fp32", tr.B, tr.T,
-               tolerance, res.worst_step, res.worst_sequence);
+               opt.one_at_a_time ? " (one at a time)" : "", tolerance, res.worst_step, res.worst_sequence);
   std::printf("max_rel_err=%.3e greedy_match=%s\n", res.max_rel_err, res.greedy_match ? "yes" : "no");
   std::fflush(stdout);
   const bool greedy_ok = res.greedy_match || (bf16 && !res.mismatch_outside_tie);

@@ -80,6 +80,17 @@ void expect_golden_passes(const fs::path& case_dir) {
 }
 
 TEST(Golden, TinyCopyInTestData) { expect_golden_passes(fs::path(M3_TEST_DATA_DIR) / "golden_tiny"); }
+
+// --one-at-a-time decodes each sequence alone; the CPU engine gives a sequence alone what
+// it gives it in a batch, so the report is the same line.
+TEST(Golden, OneAtATimeReportsWhatTheBatchReports) {
+  const fs::path dir = fs::path(M3_TEST_DATA_DIR) / "golden_tiny";
+  const std::string args = quoted(dir) + " " + quoted(dir / "trajectory.safetensors") + " --backend cpu";
+  const ToolRun batch = run_m3check(args), alone = run_m3check(args + " --one-at-a-time");
+  EXPECT_EQ(alone.exit_code, 0) << alone.err;
+  EXPECT_EQ(alone.out, batch.out);
+  EXPECT_NE(alone.err.find("(one at a time)"), std::string::npos) << alone.err;
+}
 TEST(Golden, SharedTiny) { expect_golden_passes(fs::path(M3_GOLDEN_DIR) / "tiny"); }
 TEST(Golden, SharedSmallNormMlp) { expect_golden_passes(fs::path(M3_GOLDEN_DIR) / "small_norm_mlp"); }
 
