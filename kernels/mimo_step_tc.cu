@@ -384,21 +384,30 @@ __device__ __forceinline__ void mimo_step_tc_body(const TcParams& prm) {
       y[r] = v;
     }
   }
-  if (a.out_norm != nullptr) {  // sums of y^2 over the head's rows: the first P threads
-    if (warp < (P + 31) / 32) {
+  if (a.out_norm != nullptr) {  // sums of y^2 over the head's rows
+    if (warp < (PR + 31) / 32) {  // over this block's rows, a warp's at a time
 #pragma unroll
       for (int r = 0; r < R; ++r) {
-        const float ss = warp_sum(tid < P ? y[r] * y[r] : 0.f);
+        const float ss = warp_sum(tid < PR ? y[r] * y[r] : 0.f);
         if (lane == 0) red[warp * R + r] = ss;
       }
     }
-    __syncthreads();
-    if (tid < P) {
+    if constexpr (kFused) {  // the head's p_blocks blocks (one warp each) are in this cluster
+      cluster_arrive_release<CL>();
+      cluster_wait_acquire<CL>();
+    } else {
+      __syncthreads();
+    }
+    if (tid < PR) {
 #pragma unroll
       for (int r = 0; r < R; ++r) {
         float ss = 0.f;
-        for (int wi = 0; wi < (P + 31) / 32; ++wi) ss += red[wi * R + r];
-        y[r] *= rsqrtf(ss / P + a.norm_eps) * ons[tid];
+        if constexpr (kFused) {  // the same order in every block of the head
+          for (int j = 0; j < prm.p_blocks; ++j) ss += map_cluster_rank<CL>(red, rank - pb + j)[r];
+        } else {
+          for (int wi = 0; wi < (P + 31) / 32; ++wi) ss += red[wi * R + r];
+        }
+        y[r] *= rsqrtf(ss / P + a.norm_eps) * ons[p];
       }
     }
   }
@@ -530,9 +539,8 @@ int fused_blocks_per_head(const MimoStepArgs& a) {
   if (a.out_proj == nullptr || a.out_proj_type != WeightType::BF16 || a.residual == nullptr) return 0;
   if (a.d_model <= 0 || a.d_model % 4 != 0 || a.d_model > 4 * 256) return 0;
   if (a.residual_stride % 4 != 0 || reinterpret_cast<uintptr_t>(a.residual) % 16 != 0) return 0;
-  const int p_blocks = a.headdim / 16;
-  if (a.d_state != 128 || (p_blocks > 1 && a.out_norm != nullptr)) return 0;  // grouped norm: whole heads
-  if (fused_cluster(a, p_blocks) == 0 || !cluster_launch_supported()) return 0;
+  const int p_blocks = a.headdim / 16;  // 1, 2 or 4: a head's blocks share a cluster (grouped norm)
+  if (a.d_state != 128 || fused_cluster(a, p_blocks) == 0 || !cluster_launch_supported()) return 0;
   return p_blocks;
 }
 
@@ -594,8 +602,7 @@ KernelLaunch plan_mimo_step_tc(const MimoStepArgs& a) {
     throw std::invalid_argument("mimo_step (tensor cores): needs rank 1, 2 or 4, headdim a multiple of 16 "
                                 "up to 64, d_state a multiple of 16 up to 128; to fuse out_proj also bf16 "
                                 "weights, d_state 128, d_model a multiple of 16 up to 1024, heads x headdim / "
-                                "16 a multiple of 4, a residual stride that is a multiple of 4, no grouped "
-                                "output norm across blocks");
+                                "16 a multiple of 4, a residual stride that is a multiple of 4");
   }
   switch (a.rank) {
     case 1: return plan_rank_tc<1>(a);

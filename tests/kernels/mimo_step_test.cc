@@ -289,9 +289,10 @@ TEST(MimoStepKernel, FusedOutProjAddsIntoTheResidual) {
 
 // The tensor-core variant with out_proj fused: a head's rows in blocks of 16, clusters of
 // 4 blocks (one head, two heads of 32 rows, four of 16) or 8 (d_model 896: two heads)
-// adding their products into the residual; several batch entries and ranks, and one-block
-// heads with the grouped norm. Every run compares the residual (and the guard
-// column past d_model) with the twin's.
+// adding their products into the residual; several batch entries and ranks, and the
+// grouped norm over a head's blocks (its sums shared in the cluster) and within one-block
+// heads. Every run compares the residual (and the guard column past d_model) with the
+// twin's.
 TEST(MimoStepKernel, TensorCoreVariantFusesOutProj) {
   M3_REQUIRE_CUDA_DEVICE();
   const auto bf16 = kernels::WeightType::BF16;
@@ -301,12 +302,13 @@ TEST(MimoStepKernel, TensorCoreVariantFusesOutProj) {
   run_dims({3, 64, 128, 2, 32, false, true}, 2200, 4, 32, bf16, true);
   run_dims({2, 64, 128, 1, 32, false, false}, 2300, 2, 896, bf16, true);
   run_dims({4, 16, 128, 4, 32, true, true}, 2400, 3, 64, bf16, true);
+  run_dims({2, 64, 128, 4, 32, true, true}, 2500, 3, 64, bf16, true);   // 8 blocks, cluster 8
+  run_dims({3, 64, 128, 4, 32, true, true}, 2600, 2, 48, bf16, true);   // 12 blocks, clusters 4
 }
 
 // What the tensor-core kernel cannot fuse (fp32 columns, a d_model over 1024 or not a
 // multiple of 16, a residual stride not a multiple of 4, a d_state other than 128, blocks
-// that do not fill clusters of 4, the grouped norm over a head split in blocks); without
-// out_proj it still applies.
+// that do not fill clusters of 4); without out_proj it still applies.
 TEST(MimoStepKernel, TensorCoreVariantRefusesToFuseWhatItCannot) {
   M3_REQUIRE_CUDA_DEVICE();
   DeviceArray<uint16_t> w_out(2048 * 128);
@@ -345,10 +347,6 @@ TEST(MimoStepKernel, TensorCoreVariantRefusesToFuseWhatItCannot) {
   a.heads = 1; a.headdim = 32;  // two blocks of 16 rows
   EXPECT_FALSE(kernels::mimo_step_can_fuse_out_proj(a));
   a.heads = 2; a.headdim = 64;
-  int dummy_norm = 0;
-  a.out_norm = reinterpret_cast<const float*>(&dummy_norm);  // only compared with nullptr here
-  EXPECT_FALSE(kernels::mimo_step_can_fuse_out_proj(a));
-  a.out_norm = nullptr;
   a.out_proj = nullptr;
   EXPECT_TRUE(kernels::mimo_step_tc_applies(a));
 }
