@@ -371,8 +371,8 @@ __device__ __forceinline__ void mimo_step_tc_body(const TcParams& prm) {
   if (prm.trigger_point == 0) allow_next_kernel();
   __syncthreads();
 
-  // Output, thread tid < PR for row p = p_base + tid: D skip, optional grouped norm (whole
-  // heads only), gate, mimo_o reduction.
+  // Output, thread tid < PR for row p = p_base + tid: D skip, optional grouped norm (over
+  // the head's rows, in however many blocks), gate, mimo_o reduction.
   const int p = p_base + tid;
   float y[R];
   if (tid < PR) {
@@ -587,7 +587,6 @@ KernelLaunch plan_rank_tc(const MimoStepArgs& a) {
 }
 
 }  // namespace
-
 
 bool mimo_step_tc_can_fuse_out_proj(const MimoStepArgs& a) {
   return mimo_step_tc_shape_applies(a) && fused_blocks_per_head(a) > 0;

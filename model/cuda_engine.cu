@@ -239,8 +239,9 @@ void CudaEngine::build_plans() {
       bool out_proj_fused = false;
       // Measured: with the CUDA-core kernel a gain at batch 1 and 2, a loss from batch 4 on
       // (the atomics grow with it); with the tensor-core kernel (H200, PERFORMANCE_NOTES.md
-      // runs 104-106) batch 1 138 -> 127 us a step, batch 2 163 -> 173, batch 8 219 -> 403
-      // (each block reads its out_proj columns for its one sequence).
+      // runs 104-115) batch 1 136.7 -> 115.9 us a step, batch 2 163 -> 169-173, batch 8
+      // 219 -> 403: every (16 rows, sequence) block holds its out_proj columns in registers,
+      // and beside 224 such blocks the next in_proj's cannot start early.
       if (fuse_out_proj_ && rows <= (m.tensor_cores ? tc_fuse_max_batch_ : 2)) {
         m.out_proj = lw.out_proj;
         m.out_proj_type = weights_.type;
