@@ -68,6 +68,7 @@ CudaEngine::CudaEngine(const ModelWeights& weights, const EngineOptions& options
   if (const char* env = std::getenv("M3_CUDA_FUSED_OUT_PROJ"); env != nullptr && std::string(env) == "0") {
     fuse_out_proj_ = false;
   }
+  if (options.deterministic) fuse_out_proj_ = false;  // the fused out_proj adds with atomics
   if (const char* env = std::getenv("M3_CUDA_L2_PREFETCH"); env != nullptr) {
     l2_prefetch_ = std::string(env) == "1";
   }

@@ -46,6 +46,7 @@ ServerApp::ServerApp(const ServerConfig& config, std::shared_ptr<spdlog::logger>
   engine_options.device = config_.device;
   engine_options.cpu_threads = config_.cpu_threads;
   engine_options.use_graphs = config_.cuda_graphs;
+  engine_options.deterministic = config_.deterministic;
   engine_ = make_engine(config_.backend, *weights_, engine_options);
   const ModelConfig& mc = engine_->config();
   logger_->info("model {}: {} layers, d_model {}, vocab {}, {} parameters; backend {} with {} slots",

@@ -251,6 +251,43 @@ TEST_F(CudaEngineTest, BatchOneFusesOutProjAndMatchesCpuEngineBf16) {
   }
 }
 
+// EngineOptions::deterministic keeps atomics out of the step (out_proj is not fused at
+// batch 1, bf16 or fp32), so a sequence decoded again from reset, sampled, gets the same
+// logits bit for bit.
+TEST_F(CudaEngineTest, DeterministicStepsRepeatBitForBit) {
+  M3_REQUIRE_CUDA_DEVICE();
+  ModelConfig c = testing::small_config();
+  c.ssm.mimo_rank = 4;
+  c.ssm.headdim = 64;
+  c.ssm.d_state = 128;
+  load(c);
+  for (const WeightDType dtype : {WeightDType::BF16, WeightDType::F32}) {
+    SCOPED_TRACE(dtype == WeightDType::BF16 ? "bf16" : "fp32");
+    EngineOptions o;
+    o.max_slots = 2;
+    o.weight_dtype = dtype;
+    o.deterministic = true;
+    auto e = make_cuda_engine(*weights_, o);
+    auto* impl = dynamic_cast<cuda::CudaEngine*>(e.get());
+    ASSERT_NE(impl, nullptr);
+    ASSERT_EQ(impl->kernels_per_step(1), impl->kernels_per_step(2)) << "out_proj is fused at batch 1";
+    auto run = [&] {
+      e->reset(1);
+      e->set_sampling(1, SamplingParams{0.9f, 20, 0.95f, 3});
+      std::vector<float> all, logits(V());
+      std::vector<int32_t> id(1);
+      for (int t = 0; t < 12; ++t) {
+        const std::vector<int32_t> token = {t < 2 ? 7 + t : kContinueToken};
+        e->step(std::vector<int32_t>{1}, token, id, logits);
+        all.insert(all.end(), logits.begin(), logits.end());
+      }
+      return all;
+    };
+    const std::vector<float> first = run();
+    EXPECT_EQ(run(), first);
+  }
+}
+
 TEST_F(CudaEngineTest, DecodeStepsAllocateNothingAndReplayOneGraph) {
   M3_REQUIRE_CUDA_DEVICE();
   ModelConfig c = testing::small_config();

@@ -28,8 +28,9 @@ ServerConfig from_yaml(const std::string& text) {
 TEST(ServerConfigTest, ReadsEveryKindOfValue) {
   ServerConfig c = from_yaml(
       "listen: 127.0.0.1:6000\nbackend: cpu\nmax_batch: 3\nshutdown_grace_s: 2.5\n"
-      "cuda_graphs: false\nmetrics_listen: \"\"\n");
+      "cuda_graphs: false\nmetrics_listen: \"\"\ndeterministic: true\n");
   EXPECT_EQ(c.listen, "127.0.0.1:6000");
+  EXPECT_TRUE(c.deterministic);
   EXPECT_EQ(c.backend, "cpu");
   EXPECT_EQ(c.max_batch, 3);
   EXPECT_EQ(c.shutdown_grace_s, 2.5);
@@ -97,10 +98,11 @@ TEST(ServerConfigTest, OutOfRangeValuesAreRefused) {
 
 TEST(ServerConfigTest, FlagsOverrideTheFile) {
   const auto path = std::filesystem::temp_directory_path() / "m3serve-config-test.yaml";
-  std::ofstream(path) << "max_batch: 3\nbackend: cpu\nlisten: 127.0.0.1:1\n";
+  std::ofstream(path) << "max_batch: 3\nbackend: cpu\nlisten: 127.0.0.1:1\ndeterministic: true\n";
   CommandLine cmd = parse_command_line(
-      {"--max-batch", "5", "--config", path.string(), "--listen=127.0.0.1:7"}, "");
+      {"--max-batch", "5", "--config", path.string(), "--listen=127.0.0.1:7", "--deterministic", "false"}, "");
   EXPECT_EQ(cmd.config.max_batch, 5);
+  EXPECT_FALSE(cmd.config.deterministic);
   EXPECT_EQ(cmd.config.backend, "cpu");
   EXPECT_EQ(cmd.config.listen, "127.0.0.1:7");
   std::filesystem::remove(path);
