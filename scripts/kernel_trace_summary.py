@@ -9,7 +9,9 @@ warm-up, and prints per kernel position the median start, end and duration relat
 the replay's first kernel, and the time from the previous kernel's end to this one's end
 (with programmatic dependent launch a kernel starts before its predecessor ends, so that
 increment, not the duration, is what the kernel adds to the step). Last, the mean increment
-of each of the K kernels of a layer over the middle layers.
+of each of the K kernels of a layer over the middle layers; K is detected as the period of
+the kernels (name and grid) between the embedding and lm_head (3 in most buckets, 2 where
+out_proj runs inside the recurrence); two chains side by side have none: pass K.
 """
 import argparse
 import csv
@@ -24,11 +26,21 @@ def short_name(name):
     return name[:24]
 
 
+def layer_period(replay):
+    """The smallest K such that the kernels between the embedding (first) and lm_head and
+    sampling (last two) repeat every K, or 0."""
+    body = [(short_name(r['name']), r['grid_x'], r['grid_y']) for r in replay[1:-2]]
+    for k in range(1, len(body) // 2 + 1):
+        if len(body) % k == 0 and all(body[i] == body[i % k] for i in range(len(body))):
+            return k
+    return 0
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     ap.add_argument('trace')
     ap.add_argument('--kernels', type=int, default=0, help='kernels per replay (default: detected)')
-    ap.add_argument('--layer-kernels', type=int, default=3, help='kernels per layer (default 3)')
+    ap.add_argument('--layer-kernels', type=int, default=0, help='kernels per layer (default: detected)')
     args = ap.parse_args()
     opener = gzip.open if args.trace.endswith('.gz') else open
     with opener(args.trace, 'rt') as f:
@@ -61,7 +73,9 @@ def main():
         r0 = replays[0][i]
         grid = f'{r0["grid_x"]}x{r0["grid_y"]}'
         print(f'{i:3d} {short_name(r0["name"]):<14} {grid:>9} {start:8.2f} {end:8.2f} {dur:7.2f} {inc:13.2f}')
-    k = args.layer_kernels
+    k = args.layer_kernels if args.layer_kernels > 0 else layer_period(replays[0])
+    if k <= 0:
+        raise SystemExit('cannot detect the kernels of a layer (two chains?); pass --layer-kernels')
     layers = (per - 3) // k  # the embedding first, lm_head and sampling last
     middle = range(1 + k, 1 + k * (layers - 1))  # skip the first and last layer
     print('per layer (middle layers), end-to-end increment:')

@@ -11,22 +11,23 @@ KINDS = ['gemv_kernel', 'mimo_step_tc', 'gemv_kernel']  # in_proj, recurrence, o
 INCREMENTS_US = [2.5, 4.75, 1.75]                        # end-to-end time each adds
 
 
-def write_trace(path, replays, layers=14, graph=7, no_graph_replays=2):
-    """Replays of embedding, `layers` x (in_proj, recurrence, out_proj), lm_head, sampling.
-    Each kernel starts 3 us before its predecessor ends (early launch) and ends the
-    given increment after it."""
-    names = ['embedding_kernel'] + KINDS * layers + ['gemv_kernel', 'sampling_kernel']
-    incs = [1.5] + INCREMENTS_US * layers + [2.0, 2.5]
+def write_trace(path, replays, layers=14, graph=7, no_graph_replays=2, kinds=KINDS, increments=INCREMENTS_US):
+    """Replays of embedding, `layers` x `kinds` (in_proj, recurrence, out_proj), lm_head,
+    sampling. Each kernel starts 3 us before its predecessor ends (early launch) and ends the
+    given increment after it. In_proj and out_proj differ by their grids."""
+    names = ['embedding_kernel'] + list(kinds) * layers + ['gemv_kernel', 'sampling_kernel']
+    grids = [4] + [296 if i == 0 else 56 for i in range(len(kinds))] * layers + [256, 1]
+    incs = [1.5] + list(increments) * layers + [2.0, 2.5]
     with open(path, 'w') as f:
         f.write('start_ns,end_ns,grid_x,grid_y,block_x,graph,name\n')
         t = 1_000_000_000
         for r in range(replays + no_graph_replays):
             g = graph if r >= no_graph_replays else 0
             prev_end = t
-            for name, inc in zip(names, incs):
+            for name, grid, inc in zip(names, grids, incs):
                 end = prev_end + int(inc * 1000)
                 start = max(t, prev_end - 3000)
-                f.write(f'{start},{end},4,1,256,{g},_ZN2m37kernels{name}EEv\n')
+                f.write(f'{start},{end},{grid},1,256,{g},_ZN2m37kernels{name}EEv\n')
                 prev_end = end
             t = prev_end + 5000
 
@@ -47,6 +48,17 @@ class KernelTraceSummaryTest(unittest.TestCase):
             tail = out.stdout.split('per layer (middle layers), end-to-end increment:')[1].split('\n')
             got = [float(line.split(':')[1].split()[0]) for line in tail if ':' in line]
             self.assertEqual(got, INCREMENTS_US)
+
+    def test_detects_two_kernel_layers(self):  # out_proj inside the recurrence (batch 1)
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, 'trace.csv')
+            write_trace(path, replays=8, kinds=KINDS[:2], increments=[2.9, 4.6])
+            out = self.run_script(path)
+            self.assertEqual(out.returncode, 0, out.stderr)
+            self.assertIn('6 replays of 31 kernels', out.stdout)
+            tail = out.stdout.split('per layer (middle layers), end-to-end increment:')[1].split('\n')
+            got = [float(line.split(':')[1].split()[0]) for line in tail if ':' in line]
+            self.assertEqual(got, [2.9, 4.6])
 
     def test_refuses_a_trace_without_graph_records(self):
         with tempfile.TemporaryDirectory() as d:
