@@ -39,6 +39,14 @@ struct Variant {
   void (*tweak)(ModelConfig&);
 };
 
+// The s2s-14l head shape (64 x 128 state per head, rank 4): where bf16 engines fuse
+// out_proj into the recurrence in the batch-1 bucket.
+void s2s_head_shape(ModelConfig& c) {
+  c.ssm.mimo_rank = 4;
+  c.ssm.headdim = 64;
+  c.ssm.d_state = 128;
+}
+
 const Variant kVariants[] = {
     {"plain", [](ModelConfig&) {}},
     {"mlp_outnorm_untied", [](ModelConfig& c) {
@@ -51,12 +59,7 @@ const Variant kVariants[] = {
        c.ssm.mimo_rank = 4;
        c.ssm.d_state = 32;
      }},
-    // The s2s-14l head shape (64 x 128 state per head), unfused in these buckets of 4.
-    {"s2s_head_shape", [](ModelConfig& c) {
-       c.ssm.mimo_rank = 4;
-       c.ssm.headdim = 64;
-       c.ssm.d_state = 128;
-     }},
+    {"s2s_head_shape", s2s_head_shape},  // unfused in these buckets of 4
 };
 
 class CudaEngineTest : public ::testing::Test {
@@ -224,9 +227,7 @@ TEST_F(CudaEngineTest, SplitBucketsMatchCpuEngine) {
 TEST_F(CudaEngineTest, BatchOneFusesOutProjAndMatchesCpuEngineBf16) {
   M3_REQUIRE_CUDA_DEVICE();
   ModelConfig c = testing::small_config();
-  c.ssm.mimo_rank = 4;
-  c.ssm.headdim = 64;
-  c.ssm.d_state = 128;
+  s2s_head_shape(c);
   load(c);
   auto gpu = cuda(3, WeightDType::BF16);
   auto ref = cpu(3);
@@ -257,9 +258,7 @@ TEST_F(CudaEngineTest, BatchOneFusesOutProjAndMatchesCpuEngineBf16) {
 TEST_F(CudaEngineTest, DeterministicStepsRepeatBitForBit) {
   M3_REQUIRE_CUDA_DEVICE();
   ModelConfig c = testing::small_config();
-  c.ssm.mimo_rank = 4;
-  c.ssm.headdim = 64;
-  c.ssm.d_state = 128;
+  s2s_head_shape(c);
   load(c);
   for (const WeightDType dtype : {WeightDType::BF16, WeightDType::F32}) {
     SCOPED_TRACE(dtype == WeightDType::BF16 ? "bf16" : "fp32");
