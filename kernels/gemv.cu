@@ -16,7 +16,9 @@ constexpr int kThreads = kWarps * 32;
 static_assert(sizeof(float) * kWarps * 8 <= kMaxSharedBytesPerBlock, "static shared memory");
 
 template <typename W>
-using GemvParams = GemvOperands<W>;
+struct GemvParams : GemvOperands<W> {
+  GemvGatherOperands<W> gather;
+};
 
 template <typename W>
 struct WeightChunk;  // 8 consecutive weights as raw 16-byte words
@@ -52,8 +54,12 @@ struct WeightChunk<float> {
 // The first pass of weights is loaded into registers before waiting for the previous
 // kernel (weights never depend on it), so with programmatic dependent launch the weight
 // stream overlaps the previous kernel's tail and this kernel's own x staging.
-template <typename W, int BT, int RPW, GemvEpilogue E, int KC>
-__global__ void __launch_bounds__(kThreads) gemv_kernel(const GemvParams<W> p) {
+// kGather: the input rows come from the embedding table (GemvGather). The bf16 batch-1
+// variant is held to the 64 registers of the others (four blocks a multiprocessor):
+// with more, two of its blocks left no room for a recurrence block launched beside them.
+template <typename W, int BT, int RPW, GemvEpilogue E, int KC, bool kGather>
+__global__ void __launch_bounds__(kThreads, kGather && BT == 1 && sizeof(W) == 2 && RPW * KC <= 8 ? 4 : 1)
+    gemv_kernel(const GemvParams<W> p) {
   constexpr int NW = (E == GemvEpilogue::GatedSilu) ? 2 : 1;  // weight rows per output row
   constexpr int NR = RPW * NW;
   extern __shared__ float4 smem4[];
@@ -83,6 +89,10 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(const GemvParams<W> p) {
   }
 
   wait_for_previous_kernel(p.trigger_point);
+  const W* in[BT];  // gathering: the embedding rows
+  const bool keep = blockIdx.y == 0;
+#pragma unroll
+  for (int b = 0; b < BT; ++b) in[b] = b < nb ? gemv_gather_row<kGather>(p, p.gather, b0 + b) : nullptr;
 
   // Stage the batch tile of x (times the norm weight when normalising; the 1/rms scale is
   // applied to the dot products at the end), zero rows past the batch. The sums of
@@ -104,11 +114,11 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(const GemvParams<W> p) {
     }
 #pragma unroll
     for (int b = 0; b < BT; ++b) {
-      const float4* src = reinterpret_cast<const float4*>(p.x + (size_t)(b0 + b) * p.x_stride);
 #pragma unroll
       for (int u = 0; u < 2; ++u) {
         const int i = base + threadIdx.x + u * kThreads;
-        v[b][u] = (b < nb && i < cols4) ? src[i] : make_float4(0.f, 0.f, 0.f, 0.f);
+        v[b][u] = (b < nb && i < cols4) ? gemv_input4<kGather>(p, p.gather, in[b], b0 + b, i, keep)
+                                        : make_float4(0.f, 0.f, 0.f, 0.f);
       }
     }
 #pragma unroll
@@ -194,9 +204,9 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(const GemvParams<W> p) {
   }
 }
 
-template <typename W, int BT, int RPW, GemvEpilogue E>
+template <typename W, int BT, int RPW, GemvEpilogue E, bool G>
 KernelLaunch plan_variant(const GemvArgs& a) {
-  const GemvParams<W> p = gemv_operands<W>(a);
+  const GemvParams<W> p{gemv_operands<W>(a), gemv_gather_operands<W>(a)};
   const int rows_per_block = kWarps * RPW;
   const dim3 grid((a.batch + BT - 1) / BT, (a.out_rows + rows_per_block - 1) / rows_per_block);
   const size_t smem = sizeof(float) * BT * a.cols;  // + static partial sums (checked at make)
@@ -204,12 +214,12 @@ KernelLaunch plan_variant(const GemvArgs& a) {
   constexpr int NW = E == GemvEpilogue::GatedSilu ? 2 : 1;
   constexpr bool wide_ok = RPW * NW * sizeof(W) <= 4;
   if (wide_ok && a.cols / 8 > 32 * 4) {
-    return KernelLaunch::make("gemv", gemv_kernel<W, BT, RPW, E, wide_ok ? 8 : 4>, grid,
+    return KernelLaunch::make("gemv", gemv_kernel<W, BT, RPW, E, wide_ok ? 8 : 4, G>, grid,
                               dim3(kThreads), smem, p);
   }
   // Large tiles are arithmetic-heavy: fewer weights in flight, more blocks resident.
   constexpr int kc = BT >= 8 ? 2 : 4;
-  return KernelLaunch::make("gemv", gemv_kernel<W, BT, RPW, E, kc>, grid, dim3(kThreads), smem, p);
+  return KernelLaunch::make("gemv", gemv_kernel<W, BT, RPW, E, kc, G>, grid, dim3(kThreads), smem, p);
 }
 
 // M3_GEMV_TENSOR_CORES=0 keeps every gemv on CUDA cores (for comparisons).
@@ -228,33 +238,34 @@ int small_rows_per_warp() {
   return rpw == 1 || rpw == 4 ? rpw : 2;
 }
 
-template <typename W, GemvEpilogue E>
+template <typename W, GemvEpilogue E, bool G>
 KernelLaunch plan_tile(const GemvArgs& a, int tile) {
   switch (tile) {
     case 1: {
-      if (small_rows_per_warp() == 4) return plan_variant<W, 1, 4, E>(a);
-      if (small_rows_per_warp() == 2) return plan_variant<W, 1, 2, E>(a);
+      if (small_rows_per_warp() == 4) return plan_variant<W, 1, 4, E, G>(a);
+      if (small_rows_per_warp() == 2) return plan_variant<W, 1, 2, E, G>(a);
       // One row per warp gives the most blocks; when that would need a second wave on
       // this GPU, two rows per warp fit the grid into one.
-      KernelLaunch one = plan_variant<W, 1, 1, E>(a);
+      KernelLaunch one = plan_variant<W, 1, 1, E, G>(a);
       const long resident = static_cast<long>(one.resident_blocks_per_sm(kThreads)) * multiprocessor_count();
       if (static_cast<long>(one.grid().y) > resident) {
-        return plan_variant<W, 1, 2, E>(a);
+        return plan_variant<W, 1, 2, E, G>(a);
       }
       return one;
     }
-    case 2: return plan_variant<W, 2, 1, E>(a);
-    case 4: return plan_variant<W, 4, 2, E>(a);
-    default: return plan_variant<W, 8, 4, E>(a);
+    case 2: return plan_variant<W, 2, 1, E, G>(a);
+    case 4: return plan_variant<W, 4, 2, E, G>(a);
+    default: return plan_variant<W, 8, 4, E, G>(a);
   }
 }
 
 template <typename W>
 KernelLaunch plan_typed(const GemvArgs& a, int tile) {
+  if (a.gather.table != nullptr) return plan_tile<W, GemvEpilogue::Store, true>(a, tile);
   switch (a.epilogue) {
-    case GemvEpilogue::Store: return plan_tile<W, GemvEpilogue::Store>(a, tile);
-    case GemvEpilogue::Accumulate: return plan_tile<W, GemvEpilogue::Accumulate>(a, tile);
-    default: return plan_tile<W, GemvEpilogue::GatedSilu>(a, tile);
+    case GemvEpilogue::Store: return plan_tile<W, GemvEpilogue::Store, false>(a, tile);
+    case GemvEpilogue::Accumulate: return plan_tile<W, GemvEpilogue::Accumulate, false>(a, tile);
+    default: return plan_tile<W, GemvEpilogue::GatedSilu, false>(a, tile);
   }
 }
 
@@ -269,8 +280,15 @@ KernelLaunch plan_gemv(const GemvArgs& a) {
   if (a.cols % 8 != 0 || a.x_stride % 4 != 0) {
     throw std::invalid_argument(shape + ": cols and x_stride must be multiples of 8 and 4 (16-byte loads)");
   }
-  if (a.weight == nullptr || a.x == nullptr || a.y == nullptr) {
+  if (a.weight == nullptr || (a.x == nullptr && a.gather.table == nullptr) || a.y == nullptr) {
     throw std::invalid_argument(shape + ": null pointer");
+  }
+  const GemvGather& gt = a.gather;
+  if (gt.table != nullptr &&
+      (a.epilogue != GemvEpilogue::Store || gt.vocab_rows <= 0 || gt.slots == nullptr || gt.tokens == nullptr ||
+       gt.last_token == nullptr || gt.rows_out == nullptr || reinterpret_cast<uintptr_t>(gt.rows_out) % 16 != 0)) {
+    throw std::invalid_argument(shape + ": gathering its input needs the Store epilogue, a table of at least one "
+                                        "row, the slots, tokens and last tokens, and a 16-byte aligned rows_out");
   }
   if (gemv_mma_applies(a) && use_tensor_cores()) return plan_gemv_mma(a);
   // The largest power of two <= batch (at most 8) whose x tile fits in shared memory.

@@ -6,7 +6,9 @@
 // - norm_weight != nullptr: x[b] is RMS-normalised and scaled by norm_weight first
 //   (every block re-normalises its tile, so no separate norm kernel is needed);
 // - epilogue Store: y = W x;  Accumulate: y += W x (residual add);
-//   GatedSilu: W has 2*out_rows rows [a; g], y[j] = a_j * silu(g_j) (gated MLP).
+//   GatedSilu: W has 2*out_rows rows [a; g], y[j] = a_j * silu(g_j) (gated MLP);
+// - gather.table != nullptr: x[b] is the embedding row of batch entry b's token (the
+//   step's first projection), which the kernel also writes, in fp32, to gather.rows_out.
 #pragma once
 
 #include "kernels/embedding.cuh"  // WeightType
@@ -16,12 +18,25 @@ namespace m3::kernels {
 
 enum class GemvEpilogue { Store, Accumulate, GatedSilu };
 
+// The input rows gathered from an embedding table instead of read from x: row b is
+// table[token], token = tokens[b] when >= 0, else last_token[slots[b]] (the slot's last
+// sampled id), clamped to the table. Saves the step an embedding kernel ahead of its first
+// projection, and with it a kernel boundary before the first weights are loaded.
+struct GemvGather {
+  const void* table = nullptr;  // [vocab_rows, cols], the weights' type
+  int vocab_rows = 0;
+  const int32_t* slots = nullptr;       // [batch]
+  const int32_t* tokens = nullptr;      // [batch]
+  const int32_t* last_token = nullptr;  // [slots]
+  float* rows_out = nullptr;            // [batch, x_stride]: the gathered rows (the residual stream)
+};
+
 struct GemvArgs {
   const void* weight = nullptr;  // [rows, cols]; rows = out_rows (2*out_rows for GatedSilu)
   WeightType type = WeightType::BF16;
   int out_rows = 0;
   int cols = 0;                  // multiple of 8
-  const float* x = nullptr;      // [batch, x_stride]
+  const float* x = nullptr;      // [batch, x_stride]; unused when gathering
   int x_stride = 0;
   const float* norm_weight = nullptr;  // [cols] or nullptr
   float norm_eps = 1e-5f;
@@ -33,6 +48,7 @@ struct GemvArgs {
   // kernel then takes the whole batch in one tile (fewer blocks; the other chain fills
   // the GPU).
   bool beside_other_chains = false;
+  GemvGather gather;
 };
 
 // Picks the batch tile and rows per warp for `batch`, checks sizes and shared memory.

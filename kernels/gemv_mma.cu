@@ -31,11 +31,12 @@ static_assert(sizeof(float) * kWarps * 16 <= kMaxSharedBytesPerBlock, "static sh
 
 struct MmaParams : GemvOperands<__nv_bfloat16> {
   int x_row_words;  // padded shared-memory row of x, in 4-byte words
+  GemvGatherOperands<__nv_bfloat16> gather;
 };
 
 
-// BT: batch columns per block (multiple of 8).
-template <int BT, GemvEpilogue E>
+// BT: batch columns per block (multiple of 8); kGather: input rows from the embedding table.
+template <int BT, GemvEpilogue E, bool kGather>
 __global__ void __launch_bounds__(kThreads) gemv_mma_kernel(const MmaParams p) {
   constexpr int NT = BT / 8;  // n-tiles
   // 32-column blocks per warp whose weights load before the PDL wait (fewer for wide
@@ -70,6 +71,10 @@ __global__ void __launch_bounds__(kThreads) gemv_mma_kernel(const MmaParams p) {
   }
 
   wait_for_previous_kernel(p.trigger_point);
+  const __nv_bfloat16* in[BT];  // gathering: the embedding rows
+  const bool keep = blockIdx.y == 0;
+#pragma unroll
+  for (int b = 0; b < BT; ++b) in[b] = b < nb ? gemv_gather_row<kGather>(p, p.gather, b0 + b) : nullptr;
 
   // Stage x (times the norm weight) as bf16; sums of squares on the side.
   const bool norm = p.norm_weight != nullptr;
@@ -82,8 +87,7 @@ __global__ void __launch_bounds__(kThreads) gemv_mma_kernel(const MmaParams p) {
     float4 v[BT];
 #pragma unroll
     for (int b = 0; b < BT; ++b) {
-      v[b] = b < nb ? reinterpret_cast<const float4*>(p.x + (size_t)(b0 + b) * p.x_stride)[i]
-                    : make_float4(0.f, 0.f, 0.f, 0.f);
+      v[b] = b < nb ? gemv_input4<kGather>(p, p.gather, in[b], b0 + b, i, keep) : make_float4(0.f, 0.f, 0.f, 0.f);
     }
 #pragma unroll
     for (int b = 0; b < BT; ++b) {
@@ -152,12 +156,12 @@ __global__ void __launch_bounds__(kThreads) gemv_mma_kernel(const MmaParams p) {
   }
 }
 
-template <int BT, GemvEpilogue E>
+template <int BT, GemvEpilogue E, bool G = false>
 KernelLaunch plan_bt(const GemvArgs& a, const MmaParams& p) {
   const int rows_per_block = E == GemvEpilogue::GatedSilu ? 8 : 16;
   const dim3 grid((a.batch + BT - 1) / BT, (a.out_rows + rows_per_block - 1) / rows_per_block);
   const size_t smem = sizeof(uint32_t) * BT * p.x_row_words + sizeof(float) * kWarps * 16 * BT;
-  return KernelLaunch::make("gemv_mma", gemv_mma_kernel<BT, E>, grid, dim3(kThreads), smem, p);
+  return KernelLaunch::make("gemv_mma", gemv_mma_kernel<BT, E, G>, grid, dim3(kThreads), smem, p);
 }
 
 size_t smem_for(int bt, int row_words) {
@@ -186,10 +190,13 @@ KernelLaunch plan_gemv_mma(const GemvArgs& a) {
                                 " and cols % 32 == 0");
   }
   if (gemv_mma_rows_applies(a)) return plan_gemv_mma_rows(a);
-  MmaParams p{gemv_operands<__nv_bfloat16>(a), 0};
+  MmaParams p{gemv_operands<__nv_bfloat16>(a), 0, gemv_gather_operands<__nv_bfloat16>(a)};
   // Pad each staged row so the 8 rows a warp reads at once fall in different banks.
   p.x_row_words = a.cols / 2 + (16 - (a.cols / 2) % 32 + 32) % 32;
   const bool wide = a.batch >= 16 && smem_for(16, p.x_row_words) <= kMaxSharedBytesPerBlock;
+  if (a.gather.table != nullptr) {
+    return wide ? plan_bt<16, GemvEpilogue::Store, true>(a, p) : plan_bt<8, GemvEpilogue::Store, true>(a, p);
+  }
   switch (a.epilogue) {
     case GemvEpilogue::Store:
       return wide ? plan_bt<16, GemvEpilogue::Store>(a, p) : plan_bt<8, GemvEpilogue::Store>(a, p);

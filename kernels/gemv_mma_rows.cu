@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 #include "kernels/cluster.cuh"
 #include "kernels/common.cuh"
@@ -29,8 +30,9 @@ constexpr int kThreads = kWarps * 32;
 // accumulated into) exactly once.
 //
 // x staging: cp.async copies the fp32 slice to shared memory (every copy in flight at
-// once, no registers), then one pass converts it to bf16 (times the norm weight) and
-// takes the sums of squares; the fp32 buffer then holds the partial tile.
+// once, no registers; embedding rows, when gathering, go through registers instead), then
+// one pass converts it to bf16 (times the norm weight) and takes the sums of squares; the
+// fp32 buffer then holds the partial tile.
 constexpr int kHeld = 8;             // 32-column blocks of weights per warp held in registers
 constexpr int kRowsPerBlock = kWarps * 16;
 constexpr int kPartStride = kRowsPerBlock + 4;  // floats per batch column of the partial tile
@@ -44,6 +46,11 @@ struct RowsParams : GemvOperands<__nv_bfloat16> {
   int x_row_words;  // padded shared-memory row of the staged bf16 x chunk, in 4-byte words
   int raw_offset;   // floats from the start of dynamic shared memory to the fp32 chunk
   int part_offset;  // ... and to the partial tile
+};
+// The gathering variant's parameters: a type of its own because one more member in
+// RowsParams alone made ptxas spill in the 64-column variants that do not gather.
+struct RowsGatherParams : RowsParams {
+  GemvGatherOperands<__nv_bfloat16> gather;
 };
 
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
@@ -63,9 +70,10 @@ size_t rows_smem(int bt, int chunk_kb, int row_words, bool alias) {
   return alias ? std::max(raw, part) + xs : raw + xs + part;
 }
 
-template <int BT, int KS, GemvEpilogue E>
+// kGather: the input rows come from the embedding table (GemvGather).
+template <int BT, int KS, GemvEpilogue E, bool kGather>
 __global__ void __cluster_dims__(KS, 1, 1) __launch_bounds__(kThreads, 2)
-    gemv_mma_rows_kernel(const RowsParams p) {
+    gemv_mma_rows_kernel(const std::conditional_t<kGather, RowsGatherParams, RowsParams> p) {
   constexpr int NT = BT / 8;
   constexpr int RPW = BT / 8;  // staged batch rows per warp
   constexpr int TG = NT < 4 ? NT : 4;  // output tiles accumulated at once
@@ -113,7 +121,19 @@ __global__ void __cluster_dims__(KS, 1, 1) __launch_bounds__(kThreads, 2)
   auto stage = [&](bool first) {
     const int n4 = (c1 - c0) * 8, col4 = c0 * 8, raw4 = p.chunk_kb * 8;  // n4 <= 64
     const bool u0 = lane < n4, u1 = lane + 32 < n4;
-    {
+    if constexpr (kGather) {  // embedding rows: converted on the way, no cp.async
+      const bool keep = blockIdx.y == 0;
+#pragma unroll
+      for (int r = 0; r < RPW; ++r) {
+        const int n = warp + kWarps * r;
+        if (n < nb) {
+          const __nv_bfloat16* row = gemv_gather_row<true>(p, p.gather, b0 + n);
+          float4* dst = reinterpret_cast<float4*>(raw) + n * raw4;
+          if (u0) dst[lane] = gemv_input4<true>(p, p.gather, row, b0 + n, col4 + lane, keep);
+          if (u1) dst[lane + 32] = gemv_input4<true>(p, p.gather, row, b0 + n, col4 + lane + 32, keep);
+        }
+      }
+    } else {
       const float* src = p.x + (size_t)(b0 + warp) * p.x_stride + (col4 + lane) * 4;
       float* dst = raw + (warp * raw4 + lane) * 4;
       const size_t src_step = (size_t)kWarps * p.x_stride;
@@ -318,28 +338,29 @@ __global__ void __cluster_dims__(KS, 1, 1) __launch_bounds__(kThreads, 2)
   cluster_wait_acquire<KS>();  // keep this block's shared memory until all have read it
 }
 
-using RowsKernel = void (*)(RowsParams);
+template <bool G>
+using RowsKernel = void (*)(std::conditional_t<G, RowsGatherParams, RowsParams>);
 
-template <GemvEpilogue E, int BT>
-RowsKernel rows_kernel_bt(int ks) {
+template <GemvEpilogue E, bool G, int BT>
+RowsKernel<G> rows_kernel_bt(int ks) {
   switch (ks) {
-    case 2: return gemv_mma_rows_kernel<BT, 2, E>;
-    case 4: return gemv_mma_rows_kernel<BT, 4, E>;
-    default: return gemv_mma_rows_kernel<BT, 8, E>;
+    case 2: return gemv_mma_rows_kernel<BT, 2, E, G>;
+    case 4: return gemv_mma_rows_kernel<BT, 4, E, G>;
+    default: return gemv_mma_rows_kernel<BT, 8, E, G>;
   }
 }
 
-template <GemvEpilogue E>
-RowsKernel rows_kernel_e(int bt, int ks) {
+template <GemvEpilogue E, bool G = false>
+RowsKernel<G> rows_kernel_e(int bt, int ks) {
   switch (bt) {
-    case 8: return rows_kernel_bt<E, 8>(ks);
-    case 16: return rows_kernel_bt<E, 16>(ks);
-    case 32: return rows_kernel_bt<E, 32>(ks);
-    default: return rows_kernel_bt<E, 64>(ks);
+    case 8: return rows_kernel_bt<E, G, 8>(ks);
+    case 16: return rows_kernel_bt<E, G, 16>(ks);
+    case 32: return rows_kernel_bt<E, G, 32>(ks);
+    default: return rows_kernel_bt<E, G, 64>(ks);
   }
 }
 
-RowsKernel rows_kernel(GemvEpilogue e, int bt, int ks) {
+RowsKernel<false> rows_kernel(GemvEpilogue e, int bt, int ks) {
   switch (e) {
     case GemvEpilogue::Store: return rows_kernel_e<GemvEpilogue::Store>(bt, ks);
     case GemvEpilogue::Accumulate: return rows_kernel_e<GemvEpilogue::Accumulate>(bt, ks);
@@ -370,7 +391,7 @@ RowsLayout rows_layout(int kblocks, int bt, int ks) {
 
 // Blocks of this kernel the GPU runs at once: clusters must fit within one GPC, so large
 // clusters leave multiprocessors unused (measured: 32 clusters of 7, 30 of 8 at once).
-long resident_blocks(RowsKernel k, int ks, size_t smem) {
+long resident_blocks(const void* k, int ks, size_t smem) {
   if (smem > 48 * 1024) {
     M3_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   }
@@ -379,7 +400,7 @@ long resident_blocks(RowsKernel k, int ks, size_t smem) {
   config.blockDim = dim3(kThreads, 1, 1);
   config.dynamicSmemBytes = smem;
   int clusters = 0;
-  if (cudaOccupancyMaxActiveClusters(&clusters, reinterpret_cast<const void*>(k), &config) != cudaSuccess ||
+  if (cudaOccupancyMaxActiveClusters(&clusters, k, &config) != cudaSuccess ||
       clusters <= 0) {
     (void)cudaGetLastError();
     return 2L * multiprocessor_count();
@@ -411,7 +432,10 @@ KernelLaunch plan_gemv_mma_rows(const GemvArgs& a) {
       const int slice = (kblocks + cks - 1) / cks;
       const double block_kb = 16.0 + slice * (kRowsPerBlock * 64.0 + cbt * 128.0) / 1024.0 +
                               (slice > kHeld ? 32.0 : 0.0);
-      const long resident = resident_blocks(rows_kernel(a.epilogue, cbt, cks), cks,
+      const void* kernel = a.gather.table != nullptr
+                               ? reinterpret_cast<const void*>(rows_kernel_e<GemvEpilogue::Store, true>(cbt, cks))
+                               : reinterpret_cast<const void*>(rows_kernel(a.epilogue, cbt, cks));
+      const long resident = resident_blocks(kernel, cks,
                                             rows_layout(kblocks, cbt, cks).smem);
       const double cost = static_cast<double>((blocks + multiprocessor_count() - 1) / multiprocessor_count()) * block_kb *
                           static_cast<double>((blocks + resident - 1) / resident);
@@ -428,6 +452,11 @@ KernelLaunch plan_gemv_mma_rows(const GemvArgs& a) {
   if (env_int("M3_GEMV_VERBOSE", 0) != 0) {
     std::fprintf(stderr, "gemv_mma rows %dx%d batch %d: batch tile %d, cluster %d, grid %ux%u, chunk %d, smem %zu\n",
                  a.out_rows, a.cols, a.batch, bt, ks, grid.x, grid.y, l.chunk, l.smem);
+  }
+  if (a.gather.table != nullptr) {
+    const RowsGatherParams pg{p, gemv_gather_operands<__nv_bfloat16>(a)};
+    return KernelLaunch::make("gemv_mma", rows_kernel_e<GemvEpilogue::Store, true>(bt, ks), grid, dim3(kThreads),
+                              l.smem, pg);
   }
   return KernelLaunch::make("gemv_mma", rows_kernel(a.epilogue, bt, ks), grid, dim3(kThreads), l.smem, p);
 }

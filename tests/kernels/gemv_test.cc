@@ -1,7 +1,9 @@
 // gemv against a float64 CPU twin on random odd sizes: every epilogue, with and without
 // the fused RMSNorm prologue, bf16 and fp32 weights, batches that fill partial tiles.
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <stdexcept>
 #include <string>
 
 #include "gpu_test_util.h"
@@ -21,12 +23,14 @@ struct GemvCase {
   bool norm;
   WeightType type;
   int y_pad = 3;  // y_stride = out_rows + y_pad (3: rows past the first are not 16-byte aligned)
+  bool gather = false;  // x rows gathered from an embedding table (GemvGather)
 };
 
 std::string name_of(const GemvCase& c) {
   return std::to_string(c.out_rows) + "x" + std::to_string(c.cols) + " batch " +
          std::to_string(c.batch) + " epilogue " + std::to_string(static_cast<int>(c.epilogue)) +
-         (c.norm ? " norm" : "") + (c.type == WeightType::BF16 ? " bf16" : " fp32");
+         (c.norm ? " norm" : "") + (c.type == WeightType::BF16 ? " bf16" : " fp32") +
+         (c.gather ? " gather" : "");
 }
 
 std::vector<float> run_case(const GemvCase& c, uint32_t seed) {
@@ -35,7 +39,24 @@ std::vector<float> run_case(const GemvCase& c, uint32_t seed) {
   const int x_stride = c.cols + 4, y_stride = c.out_rows + c.y_pad;
   std::vector<float> w = testing::random_floats(static_cast<size_t>(w_rows) * c.cols, seed);
   if (c.type == WeightType::BF16) w = testing::round_bf16(w);
-  const std::vector<float> x = testing::random_floats(static_cast<size_t>(c.batch) * x_stride, seed + 1, -2.f, 2.f);
+  std::vector<float> x = testing::random_floats(static_cast<size_t>(c.batch) * x_stride, seed + 1, -2.f, 2.f);
+  // Gathering: entry b's row is table[token]: its own token, or (token -1) its slot's last
+  // sampled id, or (past the table) the last row. x then holds what must stay in the
+  // padding columns, and the gathered rows are what the kernel must write there.
+  const int vocab_rows = 23;
+  std::vector<float> table = testing::random_floats(static_cast<size_t>(vocab_rows) * c.cols, seed + 4, -2.f, 2.f);
+  if (c.type == WeightType::BF16) table = testing::round_bf16(table);
+  std::vector<int32_t> slots(c.batch), tokens(c.batch), last_token(c.batch + 2);
+  for (int s = 0; s < c.batch + 2; ++s) last_token[s] = (7 * s + 3) % vocab_rows;
+  const std::vector<float> x0 = x;
+  if (c.gather) {
+    for (int b = 0; b < c.batch; ++b) {
+      slots[b] = (b + 2) % (c.batch + 2);
+      tokens[b] = b % 3 == 0 ? -1 : b % 5 == 1 ? vocab_rows + 4 : (5 * b) % vocab_rows;
+      const int token = tokens[b] < 0 ? last_token[slots[b]] : std::min(tokens[b], vocab_rows - 1);
+      for (int k = 0; k < c.cols; ++k) x[b * x_stride + k] = table[static_cast<size_t>(token) * c.cols + k];
+    }
+  }
   const std::vector<float> nw = testing::random_floats(c.cols, seed + 2, 0.5f, 1.5f);
   const std::vector<float> y0 = testing::random_floats(static_cast<size_t>(c.batch) * y_stride, seed + 3);
 
@@ -74,7 +95,11 @@ std::vector<float> run_case(const GemvCase& c, uint32_t seed) {
     }
   }
 
-  DeviceArray<float> dx(x), dnw(nw), dy(y0);
+  DeviceArray<float> dx(c.gather ? x0 : x), dnw(nw), dy(y0);
+  DeviceArray<float> dtable32(c.gather && c.type == WeightType::F32 ? table : std::vector<float>{});
+  DeviceArray<uint16_t> dtable16(c.gather && c.type == WeightType::BF16 ? testing::to_bf16(table)
+                                                                       : std::vector<uint16_t>{});
+  DeviceArray<int32_t> dslots(slots), dtokens(tokens), dlast(last_token);
   DeviceArray<float> dw32(c.type == WeightType::F32 ? w : std::vector<float>{});
   DeviceArray<uint16_t> dw16(c.type == WeightType::BF16 ? testing::to_bf16(w) : std::vector<uint16_t>{});
   kernels::GemvArgs a;
@@ -89,9 +114,24 @@ std::vector<float> run_case(const GemvCase& c, uint32_t seed) {
   a.y_stride = y_stride;
   a.batch = c.batch;
   a.epilogue = c.epilogue;
+  if (c.gather) {
+    a.x = nullptr;
+    a.gather.table = c.type == WeightType::BF16 ? static_cast<const void*>(dtable16.get()) : dtable32.get();
+    a.gather.vocab_rows = vocab_rows;
+    a.gather.slots = dslots.get();
+    a.gather.tokens = dtokens.get();
+    a.gather.last_token = dlast.get();
+    a.gather.rows_out = dx.get();
+  }
   kernels::plan_gemv(a).launch(nullptr, false);
   M3_CUDA_CHECK(cudaDeviceSynchronize());
   const std::vector<float> got = dy.download();
+  if (c.gather) {  // the gathered rows, exactly, with the padding columns untouched
+    const std::vector<float> rows = dx.download();
+    size_t wrong = 0;
+    for (size_t i = 0; i < x.size(); ++i) wrong += rows[i] != x[i];
+    EXPECT_EQ(wrong, 0u) << "elements of rows_out differ from the gathered rows (or the padding changed)";
+  }
   EXPECT_LT(testing::max_rel_err(got, ref), 2e-5);
   // Padding columns of y (past out_rows) are untouched.
   for (int b = 0; b < c.batch; ++b)
@@ -164,6 +204,27 @@ TEST(GemvKernel, RowBlockPathMatchesTwin) {
   unsetenv("M3_GEMV_BT");
 }
 
+// The step's first projection gathers its input rows from the embedding table: every
+// gemv kernel (CUDA cores at batch 1 and for fp32, the 16-row and row-block tensor-core
+// kernels), own tokens, the slot's last id, ids past the table.
+TEST(GemvKernel, GatheredInputMatchesTwin) {
+  M3_REQUIRE_CUDA_DEVICE();
+  uint32_t seed = 3000;
+  for (WeightType type : {WeightType::BF16, WeightType::F32}) {
+    for (int batch : {1, 2, 3, 5}) {
+      run_case({37, 200, batch, GemvEpilogue::Store, true, type, 3, true}, seed++);
+      run_case({4724, 896, batch, GemvEpilogue::Store, true, type, 3, true}, seed++);
+    }
+  }
+  for (int batch : {8, 13, 16, 40, 64}) {
+    run_case({4724, 896, batch, GemvEpilogue::Store, true, WeightType::BF16, 0, true}, seed++);
+    run_case({45, 256, batch, GemvEpilogue::Store, true, WeightType::BF16, 3, true}, seed++);
+  }
+  setenv("M3_GEMV_KS", "2", 1);  // 14 column blocks a slice: the row-block kernel stages two chunks
+  run_case({300, 896, 40, GemvEpilogue::Store, true, WeightType::BF16, 3, true}, seed++);
+  unsetenv("M3_GEMV_KS");
+}
+
 TEST(GemvKernel, RowBlockPathIsDeterministic) {
   M3_REQUIRE_CUDA_DEVICE();
   for (int batch : {8, 64}) {
@@ -193,6 +254,39 @@ void expect_plan_refused(int cols, const std::string& expected) {
   } catch (const std::invalid_argument& e) {
     EXPECT_NE(std::string(e.what()).find(expected), std::string::npos) << e.what();
   }
+}
+
+TEST(GemvKernel, RejectsAGatherWithoutWhatItNeeds) {
+  M3_REQUIRE_CUDA_DEVICE();
+  DeviceArray<float> buf(1024);
+  DeviceArray<int32_t> ids(4);
+  kernels::GemvArgs a;
+  a.weight = buf.get();
+  a.type = WeightType::F32;
+  a.out_rows = 4;
+  a.cols = 8;
+  a.x_stride = 8;
+  a.y = buf.get();
+  a.y_stride = 4;
+  a.batch = 1;
+  a.gather = kernels::GemvGather{buf.get(), 4, ids.get(), ids.get(), ids.get(), buf.get()};
+  EXPECT_NO_THROW(kernels::plan_gemv(a));
+  auto expect_refused = [&](const char* what) {
+    try {
+      kernels::plan_gemv(a);
+      ADD_FAILURE() << "expected an error: " << what;
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find("gathering its input needs"), std::string::npos) << e.what();
+    }
+  };
+  a.epilogue = GemvEpilogue::Accumulate;
+  expect_refused("Accumulate epilogue");
+  a.epilogue = GemvEpilogue::Store;
+  a.gather.last_token = nullptr;
+  expect_refused("no last tokens");
+  a.gather.last_token = ids.get();
+  a.gather.rows_out = buf.get() + 1;
+  expect_refused("rows_out not 16-byte aligned");
 }
 
 TEST(GemvKernel, RejectsColumnsThatBreakVectorLoads) {
