@@ -4,14 +4,16 @@
 Usage: kernel_trace_summary.py TRACE.csv[.gz] [--kernels N] [--layer-kernels K]
 
 Groups the graph's kernel records into replays of N kernels (default: the length of the
-first replay, i.e. the kernels between two embedding kernels), drops the first quarter as
+first replay, i.e. the kernels between two sampling kernels), drops the first quarter as
 warm-up, and prints per kernel position the median start, end and duration relative to
 the replay's first kernel, and the time from the previous kernel's end to this one's end
 (with programmatic dependent launch a kernel starts before its predecessor ends, so that
 increment, not the duration, is what the kernel adds to the step). Last, the mean increment
 of each of the K kernels of a layer over the middle layers; K is detected as the period of
-the kernels (name and grid) between the embedding and lm_head (3 in most buckets, 2 where
-out_proj runs inside the recurrence); two chains side by side have none: pass K.
+the kernels (name and grid) before lm_head, after the embedding kernel where there is one
+(the first in_proj gathers the embedding rows itself unless M3_CUDA_FUSED_EMBEDDING=0):
+3 in most buckets, 2 where out_proj runs inside the recurrence; two chains side by side
+have none: pass K.
 """
 import argparse
 import csv
@@ -26,10 +28,10 @@ def short_name(name):
     return name[:24]
 
 
-def layer_period(replay):
-    """The smallest K such that the kernels between the embedding (first) and lm_head and
-    sampling (last two) repeat every K, or 0."""
-    body = [(short_name(r['name']), r['grid_x'], r['grid_y']) for r in replay[1:-2]]
+def layer_period(replay, head):
+    """The smallest K such that the kernels after the first `head` (the embedding kernel,
+    if any) and before lm_head and sampling (the last two) repeat every K, or 0."""
+    body = [(short_name(r['name']), r['grid_x'], r['grid_y']) for r in replay[head:-2]]
     for k in range(1, len(body) // 2 + 1):
         if len(body) % k == 0 and all(body[i] == body[i % k] for i in range(len(body))):
             return k
@@ -50,10 +52,10 @@ def main():
     rows.sort(key=lambda r: int(r['start_ns']))
     per = args.kernels
     if per <= 0:
-        starts = [i for i, r in enumerate(rows) if 'embedding' in r['name']]
-        if len(starts) < 2:
+        ends = [i for i, r in enumerate(rows) if 'sampling' in r['name']]
+        if len(ends) < 2:
             raise SystemExit('cannot detect the replay length; pass --kernels')
-        per = starts[1] - starts[0]
+        per = ends[1] - ends[0]
     replays = [rows[i:i + per] for i in range(0, len(rows) - per + 1, per)]
     replays = replays[len(replays) // 4:]
 
@@ -73,16 +75,17 @@ def main():
         r0 = replays[0][i]
         grid = f'{r0["grid_x"]}x{r0["grid_y"]}'
         print(f'{i:3d} {short_name(r0["name"]):<14} {grid:>9} {start:8.2f} {end:8.2f} {dur:7.2f} {inc:13.2f}')
-    k = args.layer_kernels if args.layer_kernels > 0 else layer_period(replays[0])
+    head = 1 if 'embedding' in replays[0][0]['name'] else 0
+    k = args.layer_kernels if args.layer_kernels > 0 else layer_period(replays[0], head)
     if k <= 0:
         raise SystemExit('cannot detect the kernels of a layer (two chains?); pass --layer-kernels')
-    layers = (per - 3) // k  # the embedding first, lm_head and sampling last
-    middle = range(1 + k, 1 + k * (layers - 1))  # skip the first and last layer
+    layers = (per - head - 2) // k  # lm_head and sampling last
+    middle = range(head + k, head + k * (layers - 1))  # skip the first and last layer
     print('per layer (middle layers), end-to-end increment:')
     for j in range(k):
-        vals = [increments[i] for i in middle if (i - 1) % k == j]
+        vals = [increments[i] for i in middle if (i - head) % k == j]
         if vals:
-            print(f'  {short_name(replays[0][1 + j]["name"])}: {sum(vals) / len(vals):.2f} us')
+            print(f'  {short_name(replays[0][head + j]["name"])}: {sum(vals) / len(vals):.2f} us')
 
 
 if __name__ == '__main__':

@@ -11,13 +11,15 @@ KINDS = ['gemv_kernel', 'mimo_step_tc', 'gemv_kernel']  # in_proj, recurrence, o
 INCREMENTS_US = [2.5, 4.75, 1.75]                        # end-to-end time each adds
 
 
-def write_trace(path, replays, layers=14, graph=7, no_graph_replays=2, kinds=KINDS, increments=INCREMENTS_US):
-    """Replays of embedding, `layers` x `kinds` (in_proj, recurrence, out_proj), lm_head,
-    sampling. Each kernel starts 3 us before its predecessor ends (early launch) and ends the
-    given increment after it. In_proj and out_proj differ by their grids."""
-    names = ['embedding_kernel'] + list(kinds) * layers + ['gemv_kernel', 'sampling_kernel']
-    grids = [4] + [296 if i == 0 else 56 for i in range(len(kinds))] * layers + [256, 1]
-    incs = [1.5] + list(increments) * layers + [2.0, 2.5]
+def write_trace(path, replays, layers=14, graph=7, no_graph_replays=2, kinds=KINDS, increments=INCREMENTS_US,
+                embedding=True):
+    """Replays of embedding (if `embedding`), `layers` x `kinds` (in_proj, recurrence,
+    out_proj), lm_head, sampling. Each kernel starts 3 us before its predecessor ends (early
+    launch) and ends the given increment after it. In_proj and out_proj differ by their grids."""
+    head = ['embedding_kernel'] if embedding else []
+    names = head + list(kinds) * layers + ['gemv_kernel', 'sampling_kernel']
+    grids = [4] * len(head) + [296 if i == 0 else 56 for i in range(len(kinds))] * layers + [256, 1]
+    incs = [1.5] * len(head) + list(increments) * layers + [2.0, 2.5]
     with open(path, 'w') as f:
         f.write('start_ns,end_ns,grid_x,grid_y,block_x,graph,name\n')
         t = 1_000_000_000
@@ -56,6 +58,18 @@ class KernelTraceSummaryTest(unittest.TestCase):
             out = self.run_script(path)
             self.assertEqual(out.returncode, 0, out.stderr)
             self.assertIn('6 replays of 31 kernels', out.stdout)
+            tail = out.stdout.split('per layer (middle layers), end-to-end increment:')[1].split('\n')
+            got = [float(line.split(':')[1].split()[0]) for line in tail if ':' in line]
+            self.assertEqual(got, [2.9, 4.6])
+
+    def test_step_without_an_embedding_kernel(self):  # the first in_proj gathers the rows
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, 'trace.csv')
+            write_trace(path, replays=8, kinds=KINDS[:2], increments=[2.9, 4.6], embedding=False)
+            out = self.run_script(path)
+            self.assertEqual(out.returncode, 0, out.stderr)
+            step = 14 * (2.9 + 4.6) + 2.0 + 2.5
+            self.assertIn(f'6 replays of 30 kernels, step {step:.2f} us', out.stdout)
             tail = out.stdout.split('per layer (middle layers), end-to-end increment:')[1].split('\n')
             got = [float(line.split(':')[1].split()[0]) for line in tail if ':' in line]
             self.assertEqual(got, [2.9, 4.6])
