@@ -60,15 +60,14 @@ CudaEngine::CudaEngine(const ModelWeights& weights, const EngineOptions& options
                              std::to_string(devices) + " visible");
   }
   M3_CUDA_CHECK(cudaSetDevice(device_));
-  // Switches for A/B measurements (m3bench): PDL and the fused out_proj on, L2 prefetch
-  // off by default.
+  // Switches for A/B measurements (m3bench): PDL on, L2 prefetch off by default; the
+  // small buckets' step variants measured at load unless a switch fixes them (0 / 1).
   if (const char* env = std::getenv("M3_CUDA_PDL"); env != nullptr && std::string(env) == "0") {
     pdl_ = false;
   }
-  if (const char* env = std::getenv("M3_CUDA_FUSED_OUT_PROJ"); env != nullptr && std::string(env) == "0") {
-    fuse_out_proj_ = false;
-  }
-  if (options.deterministic) fuse_out_proj_ = false;  // the fused out_proj adds with atomics
+  out_proj_fusion_ = std::clamp(kernels::env_int("M3_CUDA_FUSED_OUT_PROJ", -1), -1, 1);
+  if (options.deterministic) out_proj_fusion_ = 0;  // the fused out_proj adds with atomics
+  embedding_gather_ = std::clamp(kernels::env_int("M3_CUDA_FUSED_EMBEDDING", -1), -1, 1);
   if (const char* env = std::getenv("M3_CUDA_L2_PREFETCH"); env != nullptr) {
     l2_prefetch_ = std::string(env) == "1";
   }
@@ -134,6 +133,12 @@ CudaEngine::CudaEngine(const ModelWeights& weights, const EngineOptions& options
 
   build_plans();
   if (use_graphs_) capture_graphs();
+  // The variants' trial steps ran on the scratch slot: leave it as a reset would.
+  const size_t scratch = static_cast<size_t>(scratch_slot_);
+  M3_CUDA_CHECK(cudaMemset(state_.as<float>() + scratch * slot_state_floats_, 0,
+                           sizeof(float) * slot_state_floats_));
+  M3_CUDA_CHECK(cudaMemset(counters_.as<uint64_t>() + scratch, 0, sizeof(uint64_t)));
+  M3_CUDA_CHECK(cudaMemset(last_token_.as<int32_t>() + scratch, 0, sizeof(int32_t)));
   M3_CUDA_CHECK(cudaDeviceSynchronize());
 }
 
@@ -150,12 +155,27 @@ CudaEngine::~CudaEngine() {
 }
 
 void CudaEngine::build_plans() {
+  for (int batch : bucket_sizes_) {
+    std::vector<DecodeGraph> candidates;
+    for (const StepVariant& v : step_variant_candidates(batch)) {
+      DecodeGraph g = plan_step(batch, v);
+      // A variant the shape does not allow plans like another one: keep one of them.
+      const bool seen = std::any_of(candidates.begin(), candidates.end(),
+                                    [&](const DecodeGraph& o) { return o.variant == g.variant; });
+      if (!seen) candidates.push_back(std::move(g));
+    }
+    graphs_.push_back(choose_step_variant(std::move(candidates)));
+  }
+}
+
+DecodeGraph CudaEngine::plan_step(int batch, StepVariant variant) const {
   const ModelConfig& c = config_;
   const auto L = c.in_proj_layout();
   const int B = max_bucket_;
   auto* slots = table_.as<int32_t>();
   auto* tokens = slots + B;
   auto* parities = slots + 2 * B;
+  bool any_out_proj_fused = false;
   // One chain: the whole step (embedding, every layer, lm_head, sampling) for batch rows
   // [row0, row0 + rows) of the bucket; `split`: other chains run beside it.
   auto plan_chain = [&](std::vector<KernelLaunch>& out, int row0, int rows, bool split) {
@@ -166,9 +186,8 @@ void CudaEngine::build_plans() {
     float* logits = logits_.as<float>() + static_cast<size_t>(row0) * c.padded_vocab();
     // Every projection of the step: y (+)= W . x, x RMS-normalised first when `norm` is
     // given; x rows are `cols` wide and y rows `out_rows` wide.
-    auto plan_projection = [&](const char* name, const void* weight, int out_rows, int cols,
-                               const float* x, const float* norm, float* y,
-                               kernels::GemvEpilogue epilogue) {
+    auto projection_args = [&](const void* weight, int out_rows, int cols, const float* x, const float* norm,
+                               float* y, kernels::GemvEpilogue epilogue) {
       kernels::GemvArgs a;
       a.weight = weight;
       a.type = weights_.type;
@@ -183,18 +202,32 @@ void CudaEngine::build_plans() {
       a.batch = rows;
       a.epilogue = epilogue;
       a.beside_other_chains = split;
-      return kernels::plan_gemv(a).named(name);
+      return a;
+    };
+    auto plan_projection = [&](const char* name, const void* weight, int out_rows, int cols,
+                               const float* x, const float* norm, float* y,
+                               kernels::GemvEpilogue epilogue) {
+      return kernels::plan_gemv(projection_args(weight, out_rows, cols, x, norm, y, epilogue)).named(name);
     };
     const size_t msize = weights_.type == kernels::WeightType::BF16 ? 2 : 4;
-    const kernels::L2Prefetch in_proj_bytes0{weights_.layers[0].in_proj, msize * c.in_proj_rows() * c.d_model};
-    kernels::EmbeddingArgs emb{weights_.embedding, weights_.type, c.padded_vocab(), c.d_model,
-                               slots + row0, tokens + row0, last_token_.as<int32_t>(), res, rows};
-    if (l2_prefetch_) emb.prefetch[0] = in_proj_bytes0;
-    out.push_back(kernels::plan_embedding(emb));
+    // The embedding rows: gathered by the first in_proj itself (which also writes them to
+    // the residual stream), or copied there by a kernel of their own.
+    kernels::GemvGather gather;
+    if (variant.embedding_gathered) {
+      gather = kernels::GemvGather{weights_.embedding, c.padded_vocab(), slots + row0, tokens + row0,
+                                   last_token_.as<int32_t>(), res};
+    } else {
+      kernels::EmbeddingArgs emb{weights_.embedding, weights_.type, c.padded_vocab(), c.d_model,
+                                 slots + row0, tokens + row0, last_token_.as<int32_t>(), res, rows};
+      if (l2_prefetch_) emb.prefetch[0] = {weights_.layers[0].in_proj, msize * c.in_proj_rows() * c.d_model};
+      out.push_back(kernels::plan_embedding(emb));
+    }
     for (int i = 0; i < c.n_layer; ++i) {
       const DeviceLayer& lw = weights_.layers[i];
-      out.push_back(plan_projection("in_proj", lw.in_proj, c.in_proj_rows(), c.d_model, res, lw.norm, w,
-                                    kernels::GemvEpilogue::Store));
+      kernels::GemvArgs in_proj = projection_args(lw.in_proj, c.in_proj_rows(), c.d_model, res, lw.norm, w,
+                                                  kernels::GemvEpilogue::Store);
+      if (i == 0) in_proj.gather = gather;
+      out.push_back(kernels::plan_gemv(in_proj).named("in_proj"));
 
       kernels::MimoStepArgs m;
       m.heads = c.n_heads();
@@ -238,12 +271,13 @@ void CudaEngine::build_plans() {
       m.tensor_cores = weights_.type == kernels::WeightType::BF16 && mimo_tc_min_batch_ > 0 &&
                        rows >= mimo_tc_min_batch_ && kernels::mimo_step_tc_applies(m);
       bool out_proj_fused = false;
-      // Measured: with the CUDA-core kernel a gain at batch 1 and 2, a loss from batch 4 on
-      // (the atomics grow with it); with the tensor-core kernel (H200, PERFORMANCE_NOTES.md
-      // runs 104-115) batch 1 136.7 -> 115.9 us a step, batch 2 163 -> 169-173, batch 8
-      // 219 -> 403: every (16 rows, sequence) block holds its out_proj columns in registers,
-      // and beside 224 such blocks the next in_proj's cannot start early.
-      if (fuse_out_proj_ && rows <= (m.tensor_cores ? tc_fuse_max_batch_ : 2)) {
+      // Where the variant asks for it, at batch 1 (tensor-core recurrence) or 1-2 (CUDA-core):
+      // beyond, measured on the H200 (PERFORMANCE_NOTES.md runs 104-115), it only lost
+      // (tensor cores: batch 2 163 -> 169-173 us a step, batch 8 219 -> 403; every (16 rows,
+      // sequence) block holds its out_proj columns in registers, and beside 224 such blocks
+      // the next in_proj's cannot start early; CUDA cores: the atomics grow with the batch).
+      // At batch 1 whether it wins depends on the GPU: measured at load (cuda_engine_tuning.cu).
+      if (variant.out_proj_fused && rows <= (m.tensor_cores ? tc_fuse_max_batch_ : 2)) {
         m.out_proj = lw.out_proj;
         m.out_proj_type = weights_.type;
         m.residual = res;
@@ -252,6 +286,7 @@ void CudaEngine::build_plans() {
         out_proj_fused = kernels::mimo_step_can_fuse_out_proj(m);
         if (!out_proj_fused) m.out_proj = nullptr;
       }
+      any_out_proj_fused = any_out_proj_fused || out_proj_fused;
       out.push_back(kernels::plan_mimo_step(m));
 
       if (!out_proj_fused) {
@@ -281,17 +316,16 @@ void CudaEngine::build_plans() {
     s.batch = rows;
     out.push_back(kernels::plan_sampling(s));
   };
-  for (int batch : bucket_sizes_) {
-    DecodeGraph g;
-    g.batch = batch;
-    const int chains = chains_for_batch(batch);
-    for (int k = 0; k < chains; ++k) {
-      const int row0 = k * batch / chains;
-      g.chain_begin.push_back(g.launches.size());
-      plan_chain(g.launches, row0, (k + 1) * batch / chains - row0, chains > 1);
-    }
-    graphs_.push_back(std::move(g));
+  DecodeGraph g;
+  g.batch = batch;
+  const int chains = chains_for_batch(batch);
+  for (int k = 0; k < chains; ++k) {
+    const int row0 = k * batch / chains;
+    g.chain_begin.push_back(g.launches.size());
+    plan_chain(g.launches, row0, (k + 1) * batch / chains - row0, chains > 1);
   }
+  g.variant = StepVariant{any_out_proj_fused, variant.embedding_gathered};
+  return g;
 }
 
 // Chains per bucket: each serves its share of the rows with its own kernels, and the
@@ -334,20 +368,24 @@ void CudaEngine::run_plan(const DecodeGraph& g, bool use_graph) {
   launch_chains(g);
 }
 
+void CudaEngine::capture(DecodeGraph& g) {
+  M3_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+  try {
+    launch_chains(g);
+  } catch (...) {
+    cudaGraph_t broken = nullptr;
+    cudaStreamEndCapture(stream_, &broken);
+    if (broken) cudaGraphDestroy(broken);
+    throw;
+  }
+  M3_CUDA_CHECK(cudaStreamEndCapture(stream_, &g.graph));
+  M3_CUDA_CHECK(cudaGraphInstantiate(&g.exec, g.graph, 0));
+  M3_CUDA_CHECK(cudaGraphUpload(g.exec, stream_));
+}
+
 void CudaEngine::capture_graphs() {
   for (DecodeGraph& g : graphs_) {
-    M3_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
-    try {
-      launch_chains(g);
-    } catch (...) {
-      cudaGraph_t broken = nullptr;
-      cudaStreamEndCapture(stream_, &broken);
-      if (broken) cudaGraphDestroy(broken);
-      throw;
-    }
-    M3_CUDA_CHECK(cudaStreamEndCapture(stream_, &g.graph));
-    M3_CUDA_CHECK(cudaGraphInstantiate(&g.exec, g.graph, 0));
-    M3_CUDA_CHECK(cudaGraphUpload(g.exec, stream_));
+    if (g.exec == nullptr) capture(g);  // the candidates of tuned buckets already are
   }
 }
 
@@ -469,21 +507,23 @@ std::vector<float> CudaEngine::time_replays(int batch, int iters, bool use_graph
     throw std::invalid_argument("time_replays: the engine was built with use_graphs=false");
   }
   const DecodeGraph& g = graph_for_batch(batch);
-  // Replays go back to back in groups of kGroup between two events, so the host's launch
-  // latency is hidden as it is in a serving loop; each entry is one group's mean.
   constexpr int kGroup = 10;
   std::vector<float> us;
   us.reserve(iters / kGroup + 1);
-  for (int i = 0; i < iters; i += kGroup) {
-    M3_CUDA_CHECK(cudaEventRecord(timing_events_[0], stream_));
-    for (int j = 0; j < kGroup; ++j) run_plan(g, use_graph);
-    M3_CUDA_CHECK(cudaEventRecord(timing_events_[1], stream_));
-    M3_CUDA_CHECK(cudaEventSynchronize(timing_events_[1]));
-    float ms = 0.f;
-    M3_CUDA_CHECK(cudaEventElapsedTime(&ms, timing_events_[0], timing_events_[1]));
-    us.push_back(ms * 1000.f / kGroup);
-  }
+  for (int i = 0; i < iters; i += kGroup) us.push_back(replay_group_us(g, use_graph, kGroup));
   return us;
+}
+
+// Replays go back to back in a group between two events, so the host's launch latency is
+// hidden as it is in a serving loop; returns the group's mean per step.
+float CudaEngine::replay_group_us(const DecodeGraph& g, bool use_graph, int group) {
+  M3_CUDA_CHECK(cudaEventRecord(timing_events_[0], stream_));
+  for (int j = 0; j < group; ++j) run_plan(g, use_graph);
+  M3_CUDA_CHECK(cudaEventRecord(timing_events_[1], stream_));
+  M3_CUDA_CHECK(cudaEventSynchronize(timing_events_[1]));
+  float ms = 0.f;
+  M3_CUDA_CHECK(cudaEventElapsedTime(&ms, timing_events_[0], timing_events_[1]));
+  return ms * 1000.f / group;
 }
 
 std::vector<CudaEngine::KernelTime> CudaEngine::time_kernels(int batch, int reps) {

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kernels/launch.cuh"
@@ -18,9 +19,20 @@
 
 namespace m3::cuda {
 
+// How a bucket's step is built where there is more than one way (small buckets, whose
+// step is a chain of short dependent kernels: which way is faster differs from GPU to
+// GPU, so the engine measures them at load; cuda_engine_tuning.cu).
+struct StepVariant {
+  bool out_proj_fused = false;      // out_proj inside the recurrence, added by atomics
+  bool embedding_gathered = false;  // the first in_proj reads the embedding rows itself
+  bool operator==(const StepVariant&) const = default;
+};
+std::string to_string(const StepVariant& v);
+
 // The launches of one decode step for one batch bucket, and its captured graph.
 struct DecodeGraph {
   int batch = 0;
+  StepVariant variant;  // as planned (out_proj fused only where the shape allows)
   // The step's kernels, chain after chain: chain c is launches[chain_begin[c] ..
   // chain_begin[c + 1]) and serves its own share of the batch rows (one chain unless the
   // bucket is split, see chains_for_batch).
@@ -28,6 +40,8 @@ struct DecodeGraph {
   std::vector<size_t> chain_begin;
   cudaGraph_t graph = nullptr;
   cudaGraphExec_t exec = nullptr;
+  // Every candidate measured at load, us per step (empty where there was one).
+  std::vector<std::pair<StepVariant, float>> measured;
 };
 
 class CudaEngine final : public Engine {
@@ -51,7 +65,11 @@ class CudaEngine final : public Engine {
   bool graphs_enabled() const { return use_graphs_; }
   bool pdl_enabled() const { return pdl_; }
   bool l2_prefetch_enabled() const { return l2_prefetch_; }
-  bool out_proj_fusion_enabled() const { return fuse_out_proj_; }
+  // The variant that serves `batch` sequences, and what was measured to choose it.
+  StepVariant step_variant(int batch) const { return graph_for_batch(batch).variant; }
+  const std::vector<std::pair<StepVariant, float>>& step_variant_timings(int batch) const {
+    return graph_for_batch(batch).measured;
+  }
   int kernels_per_step(int batch) const;
   int bucket_for(int batch) const { return graph_for_batch(batch).batch; }
   // Replays the step of the bucket that serves `batch` sequences about `iters` times on
@@ -73,6 +91,11 @@ class CudaEngine final : public Engine {
 
  private:
   void build_plans();
+  DecodeGraph plan_step(int batch, StepVariant variant) const;
+  std::vector<StepVariant> step_variant_candidates(int batch) const;
+  DecodeGraph choose_step_variant(std::vector<DecodeGraph> candidates);
+  float replay_group_us(const DecodeGraph& g, bool use_graph, int group);
+  void capture(DecodeGraph& g);
   void capture_graphs();
   void run_plan(const DecodeGraph& g, bool use_graph);
   void launch_chains(const DecodeGraph& g);
@@ -85,7 +108,10 @@ class CudaEngine final : public Engine {
   int max_bucket_ = 0;
   bool use_graphs_ = true;
   bool pdl_ = true;
-  bool fuse_out_proj_ = true;  // small buckets: out_proj inside mimo_step (atomics)
+  // Small buckets' step variants: -1 measured at load, 0 never, 1 where the shape allows
+  // (M3_CUDA_FUSED_OUT_PROJ / M3_CUDA_FUSED_EMBEDDING; `deterministic` keeps out_proj out).
+  int out_proj_fusion_ = -1;
+  int embedding_gather_ = -1;
   int mimo_tc_min_batch_ = 1;  // bf16: tensor-core recurrence from this batch (M3_MIMO_TC_MIN_BATCH)
   int tc_fuse_max_batch_ = 1;  // ... with out_proj fused up to this batch (M3_MIMO_TC_FUSE_MAX_BATCH)
   bool l2_prefetch_ = false;  // measured slower at batch 1 (notes); M3_CUDA_L2_PREFETCH=1 turns it on

@@ -182,16 +182,24 @@ int run(const Options& o) {
     rows.push_back(r);
   }
 
-  std::printf("m3bench decode: %s, %s weights, %s, copy bandwidth %.0f GB/s, pdl %s, l2 prefetch %s, "
-              "fused out_proj %s\n",
+  std::printf("m3bench decode: %s, %s weights, %s, copy bandwidth %.0f GB/s, pdl %s, l2 prefetch %s\n",
               o.config.c_str(), o.dtype.c_str(), prop.name, bw, graphed.pdl_enabled() ? "on" : "off",
-              graphed.l2_prefetch_enabled() ? "on" : "off", graphed.out_proj_fusion_enabled() ? "on" : "off");
+              graphed.l2_prefetch_enabled() ? "on" : "off");
   std::printf("%6s %6s %8s %11s %11s %9s %7s %12s %8s %13s\n", "batch", "bucket", "kernels",
               "us/step", "tokens/s", "floor us", "ratio", "no-graph us", "speedup", "step() wall us");
   for (const Row& r : rows) {
     std::printf("%6d %6d %8d %11.1f %11.0f %9.1f %7.2f %12.1f %8.2f %13.1f\n", r.batch, r.bucket,
                 r.kernels, r.graph_us, r.batch / (r.graph_us * 1e-6), r.floor_us, r.graph_us / r.floor_us,
                 r.direct_us, r.direct_us / r.graph_us, r.step_wall_us);
+  }
+  std::printf("step variant per batch (where several apply, each measured at load, us per step):\n");
+  for (const Row& r : rows) {
+    std::printf("  batch %d: %s", r.batch, cuda::to_string(graphed.step_variant(r.batch)).c_str());
+    const auto& measured = graphed.step_variant_timings(r.batch);
+    for (size_t i = 0; i < measured.size(); ++i) {
+      std::printf("%s%s %.1f", i == 0 ? "  [" : "; ", cuda::to_string(measured[i].first).c_str(), measured[i].second);
+    }
+    std::printf("%s\n", measured.empty() ? "" : "]");
   }
   if (o.per_kernel) {
     std::printf("kernels timed alone (us per step, each kernel repeated back to back):\n");
@@ -209,7 +217,6 @@ int run(const Options& o) {
     j["copy_bandwidth_gbps"] = bw;
     j["pdl"] = graphed.pdl_enabled();
     j["l2_prefetch"] = graphed.l2_prefetch_enabled();
-    j["fused_out_proj"] = graphed.out_proj_fusion_enabled();
     j["iters"] = o.iters;
     for (const Row& r : rows) {
       j["results"].push_back({{"batch", r.batch},
@@ -221,7 +228,11 @@ int run(const Options& o) {
                               {"floor_us", r.floor_us},
                               {"ratio_to_floor", r.graph_us / r.floor_us},
                               {"no_graph_us_per_step", r.direct_us},
-                              {"step_call_wall_us", r.step_wall_us}});
+                              {"step_call_wall_us", r.step_wall_us},
+                              {"step_variant", cuda::to_string(graphed.step_variant(r.batch))}});
+      for (const auto& [variant, us] : graphed.step_variant_timings(r.batch)) {
+        j["results"].back()["step_variants_measured_us"][cuda::to_string(variant)] = us;
+      }
       for (const auto& [name, us] : r.per_kernel) j["results"].back()["kernels_alone_us"][name] = us;
     }
     std::ofstream(o.json) << j.dump(2) << "\n";

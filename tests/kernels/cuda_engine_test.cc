@@ -3,6 +3,7 @@
 // and the promise that a decode step allocates nothing and is one graph replay.
 #include <gtest/gtest.h>
 
+#include <cstdlib>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -196,7 +197,7 @@ TEST_F(CudaEngineTest, SplitBucketsMatchCpuEngine) {
   ASSERT_NE(impl, nullptr);
   constexpr int n = 33;
   ASSERT_EQ(impl->bucket_for(n), 40);
-  // Bucket 16 runs one chain of the same kernel kinds (bucket 1 fuses out_proj).
+  // Bucket 16 runs one chain of the same kernel kinds (the small buckets' variants differ).
   ASSERT_EQ(impl->kernels_per_step(n), 2 * impl->kernels_per_step(16)) << "the 40 bucket is not split";
   std::vector<int32_t> slots(n);
   for (int i = 0; i < n; ++i) {
@@ -221,35 +222,92 @@ TEST_F(CudaEngineTest, SplitBucketsMatchCpuEngine) {
   }
 }
 
-// bf16 engines fuse out_proj into the tensor-core recurrence in the batch-1 bucket (heads
-// of 64 rows, d_state 128): one kernel fewer a layer there, and a sequence decoding alone
-// (greedy, then sampled) still gets the CPU engine's logits.
-TEST_F(CudaEngineTest, BatchOneFusesOutProjAndMatchesCpuEngineBf16) {
+// Sets an environment switch while it lives (the engine reads its switches when built).
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value) : name_(name) { setenv(name, value, 1); }
+  ~ScopedEnv() { unsetenv(name_); }
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
+
+ private:
+  const char* name_;
+};
+
+// Slot 2 decodes alone (greedy, then sampled) in both engines; logits within `tol` of the
+// CPU engine's until the ids part (bf16 trajectories may). Returns every step's logits.
+std::vector<float> decode_alone_against_cpu(Engine& gpu, Engine& cpu, int V, double tol) {
+  std::vector<float> all;
+  for (const SamplingParams& sp : {SamplingParams{0.f, 0, 1.f, 0}, SamplingParams{0.9f, 20, 0.95f, 5}}) {
+    gpu.reset(2);
+    cpu.reset(2);
+    gpu.set_sampling(2, sp);
+    cpu.set_sampling(2, sp);
+    const std::vector<int32_t> prompt = {5, 17, 100};
+    std::vector<int32_t> g_id(1), c_id(1);
+    std::vector<float> g_logits(V), c_logits(V);
+    for (int t = 0; t < 16; ++t) {
+      const std::vector<int32_t> token = {t < 3 ? prompt[t] : kContinueToken};
+      gpu.step(std::vector<int32_t>{2}, token, g_id, g_logits);
+      cpu.step(std::vector<int32_t>{2}, token, c_id, c_logits);
+      all.insert(all.end(), g_logits.begin(), g_logits.end());
+      EXPECT_LT(rel_err(g_logits, c_logits), tol) << "step " << t << ", temperature " << sp.temperature;
+      if (g_id != c_id) break;
+    }
+  }
+  return all;
+}
+
+// The small buckets' step has variants (out_proj inside the recurrence or not; the
+// embedding gathered by the first in_proj or its own kernel): the engine measures them at
+// load and keeps the fastest. Bucket 1 of a bf16 engine with the s2s-14l head shape has
+// all four, bucket 2 the two embedding ways (out_proj is fused at batch 1 only), bucket 4
+// none. Forced one by one, each variant decodes what the CPU engine decodes, and the two
+// embedding ways give the same logits bit for bit.
+TEST_F(CudaEngineTest, SmallBucketVariantsAreMeasuredAtLoadAndAllMatchCpuEngine) {
   M3_REQUIRE_CUDA_DEVICE();
   ModelConfig c = testing::small_config();
   s2s_head_shape(c);
   load(c);
-  auto gpu = cuda(3, WeightDType::BF16);
+  {
+    auto gpu = cuda(4, WeightDType::BF16);
+    auto* impl = dynamic_cast<cuda::CudaEngine*>(gpu.get());
+    ASSERT_NE(impl, nullptr);
+    const auto& measured = impl->step_variant_timings(1);
+    ASSERT_EQ(measured.size(), 4u);
+    auto fastest = measured.begin();
+    for (auto it = measured.begin(); it != measured.end(); ++it) {
+      EXPECT_GT(it->second, 0.f) << cuda::to_string(it->first);
+      if (it->second < fastest->second) fastest = it;
+    }
+    const cuda::StepVariant chosen = impl->step_variant(1);
+    EXPECT_EQ(chosen, fastest->first);
+    EXPECT_EQ(impl->step_variant_timings(2).size(), 2u);
+    EXPECT_FALSE(impl->step_variant(2).out_proj_fused);
+    EXPECT_TRUE(impl->step_variant_timings(4).empty());
+    EXPECT_EQ(impl->step_variant(4), (cuda::StepVariant{false, true}));
+    // The plan is the chosen variant: n_layer out_proj kernels fewer when fused, one
+    // embedding kernel more when not gathered.
+    EXPECT_EQ(impl->kernels_per_step(1), impl->kernels_per_step(4) - (chosen.out_proj_fused ? c.n_layer : 0) +
+                                             (chosen.embedding_gathered ? 0 : 1));
+  }
   auto ref = cpu(3);
-  auto* impl = dynamic_cast<cuda::CudaEngine*>(gpu.get());
-  ASSERT_NE(impl, nullptr);
-  ASSERT_EQ(impl->kernels_per_step(1), impl->kernels_per_step(2) - c.n_layer) << "out_proj is not fused at batch 1";
-  for (const SamplingParams& sp : {SamplingParams{0.f, 0, 1.f, 0}, SamplingParams{0.9f, 20, 0.95f, 5}}) {
-    gpu->reset(2);
-    ref->reset(2);
-    gpu->set_sampling(2, sp);
-    ref->set_sampling(2, sp);
-    const std::vector<int32_t> prompt = {5, 17, 100};
-    std::vector<int32_t> g_id(1), c_id(1);
-    std::vector<float> g_logits(V()), c_logits(V());
-    for (int t = 0; t < 16; ++t) {
-      const std::vector<int32_t> token = {t < 3 ? prompt[t] : kContinueToken};
-      gpu->step(std::vector<int32_t>{2}, token, g_id, g_logits);
-      ref->step(std::vector<int32_t>{2}, token, c_id, c_logits);
-      ASSERT_LT(rel_err(g_logits, c_logits), 3e-2) << "step " << t << ", temperature " << sp.temperature;
-      if (g_id != c_id) break;  // bf16: trajectories may part; logits compared up to here
+  std::vector<float> by_embedding[2];
+  for (const char* fused : {"1", "0"}) {
+    for (const char* gathered : {"1", "0"}) {
+      SCOPED_TRACE(std::string("out_proj fused ") + fused + ", embedding gathered " + gathered);
+      ScopedEnv f("M3_CUDA_FUSED_OUT_PROJ", fused), g("M3_CUDA_FUSED_EMBEDDING", gathered);
+      auto gpu = cuda(3, WeightDType::BF16);
+      auto* impl = dynamic_cast<cuda::CudaEngine*>(gpu.get());
+      ASSERT_NE(impl, nullptr);
+      EXPECT_EQ(impl->step_variant(1), (cuda::StepVariant{*fused == '1', *gathered == '1'}));
+      EXPECT_TRUE(impl->step_variant_timings(1).empty()) << "a forced variant is not measured";
+      const std::vector<float> logits = decode_alone_against_cpu(*gpu, *ref, V(), 3e-2);
+      if (*fused == '0') by_embedding[*gathered == '1'] = logits;  // no atomics: repeatable
     }
   }
+  ASSERT_FALSE(by_embedding[0].empty());
+  EXPECT_EQ(by_embedding[0], by_embedding[1]) << "the gathered embedding rows differ from the kernel's";
 }
 
 // EngineOptions::deterministic keeps atomics out of the step (out_proj is not fused at
@@ -269,7 +327,7 @@ TEST_F(CudaEngineTest, DeterministicStepsRepeatBitForBit) {
     auto e = make_cuda_engine(*weights_, o);
     auto* impl = dynamic_cast<cuda::CudaEngine*>(e.get());
     ASSERT_NE(impl, nullptr);
-    ASSERT_EQ(impl->kernels_per_step(1), impl->kernels_per_step(2)) << "out_proj is fused at batch 1";
+    ASSERT_FALSE(impl->step_variant(1).out_proj_fused);
     auto run = [&] {
       e->reset(1);
       e->set_sampling(1, SamplingParams{0.9f, 20, 0.95f, 3});

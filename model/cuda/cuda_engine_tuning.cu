@@ -1,0 +1,82 @@
+// Choosing the step of the small buckets by measurement at load. At batch 1 and 2 a step
+// is a chain of short dependent kernels, and which of its variants is faster depends on
+// the GPU it runs on, not only on its model: on H200s lent for this project, out_proj
+// fused into the recurrence took the batch-1 step of s2s-14l from 137 to 115 us on some
+// and from 131 to 145 on others (PERFORMANCE_NOTES.md runs 115, 123-126), with the same
+// binary. So where both are possible the engine captures each variant, replays them in
+// turns, and keeps the fastest, as cuDNN's benchmark mode and TensorRT's tactic timing do.
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "model/cuda/cuda_engine_impl.h"
+
+namespace m3::cuda {
+namespace {
+
+// Buckets up to this size are tuned; larger ones take the planned variant (their steps
+// are longer than a variant's difference, measured at batch 4-64: within 1 us).
+constexpr int kTunedMaxBatch = 2;
+constexpr int kWarmupReplays = 3;
+constexpr int kRounds = 5;       // turns through the candidates
+constexpr int kGroup = 10;       // replays a turn
+
+float median(std::vector<float> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+}  // namespace
+
+std::string to_string(const StepVariant& v) {
+  return std::string(v.out_proj_fused ? "out_proj fused" : "out_proj separate") +
+         (v.embedding_gathered ? ", embedding gathered" : ", embedding kernel");
+}
+
+// Every combination the switches leave open (-1: both ways; 0 / 1: that way only). Out of
+// the tuned buckets: out_proj fused where the planner allows it (the recurrence decides,
+// see plan_step), the embedding gathered.
+std::vector<StepVariant> CudaEngine::step_variant_candidates(int batch) const {
+  const bool tuned = batch <= kTunedMaxBatch;
+  auto ways = [&](int sw) {
+    if (sw >= 0) return std::vector<bool>{sw == 1};
+    return tuned ? std::vector<bool>{true, false} : std::vector<bool>{true};
+  };
+  std::vector<StepVariant> out;
+  for (bool fused : ways(out_proj_fusion_))
+    for (bool gathered : ways(embedding_gather_)) out.push_back(StepVariant{fused, gathered});
+  return out;
+}
+
+// One candidate: taken as it is. Several: each is captured (when graphs are on) and
+// replayed in turns on the bucket's rows (the scratch slot at load), the fastest by median
+// kept, the others released.
+DecodeGraph CudaEngine::choose_step_variant(std::vector<DecodeGraph> candidates) {
+  if (candidates.size() == 1) return std::move(candidates.front());
+  if (use_graphs_) {
+    for (DecodeGraph& g : candidates) capture(g);
+  }
+  std::vector<std::vector<float>> us(candidates.size());
+  for (DecodeGraph& g : candidates) {
+    for (int i = 0; i < kWarmupReplays; ++i) run_plan(g, use_graphs_);
+  }
+  for (int round = 0; round < kRounds; ++round) {
+    for (size_t i = 0; i < candidates.size(); ++i) us[i].push_back(replay_group_us(candidates[i], use_graphs_, kGroup));
+  }
+  std::vector<std::pair<StepVariant, float>> measured;
+  size_t best = 0;
+  for (size_t i = 0; i < candidates.size(); ++i) {
+    measured.emplace_back(candidates[i].variant, median(us[i]));
+    if (measured[i].second < measured[best].second) best = i;
+  }
+  for (size_t i = 0; i < candidates.size(); ++i) {
+    if (i == best) continue;
+    if (candidates[i].exec) cudaGraphExecDestroy(candidates[i].exec);
+    if (candidates[i].graph) cudaGraphDestroy(candidates[i].graph);
+  }
+  DecodeGraph chosen = std::move(candidates[best]);
+  chosen.measured = std::move(measured);
+  return chosen;
+}
+
+}  // namespace m3::cuda
