@@ -19,7 +19,7 @@ struct ServerConfig {
   int device = 0;                            // CUDA device ordinal
   int cpu_threads = 0;                       // CPU engine threads; 0 = all cores
   bool cuda_graphs = true;                   // off only for debugging
-  bool deterministic = false;                // CUDA: bitwise-repeatable logits, batch 1 slower
+  bool deterministic = false;                // CUDA: bitwise-repeatable logits (no atomic out_proj)
   int max_batch = 8;                         // engine slots = sequences decoded together
   int queue_capacity = 64;                   // requests waiting for a slot; more: RESOURCE_EXHAUSTED
   int max_new_tokens_limit = 4096;           // per request / per reply
