@@ -228,11 +228,13 @@ bool use_tensor_cores() {
   return env == nullptr || std::string(env) != "0";
 }
 
-// Rows per warp at batch 1: two. With the next kernel's blocks launched before this one's
-// wait, half the blocks (s2s-14l in_proj: 296 instead of 591) start their loads sooner
-// beside the running kernel: the batch-1 step 151 us with one row per warp, 136 with two,
-// 171 with four (H200, PERFORMANCE_NOTES.md run 68). M3_GEMV_SMALL_RPW=1 or 4 for A/B
-// measurements (1 still moves to two when one row per warp would need a second wave).
+// Rows per warp at batch 1 unless GemvArgs::rows_per_warp says: two. With the next
+// kernel's blocks launched before this one's wait, half the blocks (s2s-14l in_proj: 296
+// instead of 591) start their loads sooner beside the running kernel: the batch-1 step 151
+// us with one row per warp, 136 with two, 171 with four (H200, PERFORMANCE_NOTES.md run
+// 68; beside the fused out_proj, four can win, run 131: the engine measures both).
+// M3_GEMV_SMALL_RPW=1 or 4 for A/B measurements (1 still moves to two when one row per
+// warp would need a second wave).
 int small_rows_per_warp() {
   static const int rpw = env_int("M3_GEMV_SMALL_RPW", 2);
   return rpw == 1 || rpw == 4 ? rpw : 2;
@@ -242,8 +244,9 @@ template <typename W, GemvEpilogue E, bool G>
 KernelLaunch plan_tile(const GemvArgs& a, int tile) {
   switch (tile) {
     case 1: {
-      if (small_rows_per_warp() == 4) return plan_variant<W, 1, 4, E, G>(a);
-      if (small_rows_per_warp() == 2) return plan_variant<W, 1, 2, E, G>(a);
+      const int rpw = a.rows_per_warp > 0 ? a.rows_per_warp : small_rows_per_warp();
+      if (rpw == 4) return plan_variant<W, 1, 4, E, G>(a);
+      if (rpw == 2) return plan_variant<W, 1, 2, E, G>(a);
       // One row per warp gives the most blocks; when that would need a second wave on
       // this GPU, two rows per warp fit the grid into one.
       KernelLaunch one = plan_variant<W, 1, 1, E, G>(a);
@@ -282,6 +285,10 @@ KernelLaunch plan_gemv(const GemvArgs& a) {
   }
   if (a.weight == nullptr || (a.x == nullptr && a.gather.table == nullptr) || a.y == nullptr) {
     throw std::invalid_argument(shape + ": null pointer");
+  }
+  if (a.rows_per_warp != 0 && a.rows_per_warp != 1 && a.rows_per_warp != 2 && a.rows_per_warp != 4) {
+    throw std::invalid_argument(shape + ": rows_per_warp " + std::to_string(a.rows_per_warp) +
+                                " is not 0 (default), 1, 2 or 4");
   }
   const GemvGather& gt = a.gather;
   if (gt.table != nullptr &&

@@ -49,6 +49,9 @@ struct GemvArgs {
   // the GPU).
   bool beside_other_chains = false;
   GemvGather gather;
+  // Batch 1 on CUDA cores: output rows a warp computes (1, 2 or 4); 0: the planner's
+  // default (2, or M3_GEMV_SMALL_RPW).
+  int rows_per_warp = 0;
 };
 
 // Picks the batch tile and rows per warp for `batch`, checks sizes and shared memory.

@@ -68,6 +68,8 @@ CudaEngine::CudaEngine(const ModelWeights& weights, const EngineOptions& options
   out_proj_fusion_ = std::clamp(kernels::env_int("M3_CUDA_FUSED_OUT_PROJ", -1), -1, 1);
   if (options.deterministic) out_proj_fusion_ = 0;  // the fused out_proj adds with atomics
   embedding_gather_ = std::clamp(kernels::env_int("M3_CUDA_FUSED_EMBEDDING", -1), -1, 1);
+  gemv_rows_per_warp_ = kernels::env_int("M3_GEMV_SMALL_RPW", 0);
+  if (gemv_rows_per_warp_ != 1 && gemv_rows_per_warp_ != 2 && gemv_rows_per_warp_ != 4) gemv_rows_per_warp_ = 0;
   if (const char* env = std::getenv("M3_CUDA_L2_PREFETCH"); env != nullptr) {
     l2_prefetch_ = std::string(env) == "1";
   }
@@ -202,6 +204,7 @@ DecodeGraph CudaEngine::plan_step(int batch, StepVariant variant) const {
       a.batch = rows;
       a.epilogue = epilogue;
       a.beside_other_chains = split;
+      a.rows_per_warp = variant.gemv_rows_per_warp;
       return a;
     };
     auto plan_projection = [&](const char* name, const void* weight, int out_rows, int cols,
@@ -324,7 +327,7 @@ DecodeGraph CudaEngine::plan_step(int batch, StepVariant variant) const {
     g.chain_begin.push_back(g.launches.size());
     plan_chain(g.launches, row0, (k + 1) * batch / chains - row0, chains > 1);
   }
-  g.variant = StepVariant{any_out_proj_fused, variant.embedding_gathered};
+  g.variant = StepVariant{any_out_proj_fused, variant.embedding_gathered, variant.gemv_rows_per_warp};
   return g;
 }
 

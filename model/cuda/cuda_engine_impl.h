@@ -25,6 +25,7 @@ namespace m3::cuda {
 struct StepVariant {
   bool out_proj_fused = false;      // out_proj inside the recurrence, added by atomics
   bool embedding_gathered = false;  // the first in_proj reads the embedding rows itself
+  int gemv_rows_per_warp = 0;       // batch 1: rows a warp of the CUDA-core gemvs takes (0: n/a)
   bool operator==(const StepVariant&) const = default;
 };
 std::string to_string(const StepVariant& v);
@@ -112,6 +113,7 @@ class CudaEngine final : public Engine {
   // (M3_CUDA_FUSED_OUT_PROJ / M3_CUDA_FUSED_EMBEDDING; `deterministic` keeps out_proj out).
   int out_proj_fusion_ = -1;
   int embedding_gather_ = -1;
+  int gemv_rows_per_warp_ = 0;  // batch 1: 0 measured (2 or 4), else fixed (M3_GEMV_SMALL_RPW)
   int mimo_tc_min_batch_ = 1;  // bf16: tensor-core recurrence from this batch (M3_MIMO_TC_MIN_BATCH)
   int tc_fuse_max_batch_ = 1;  // ... with out_proj fused up to this batch (M3_MIMO_TC_FUSE_MAX_BATCH)
   bool l2_prefetch_ = false;  // measured slower at batch 1 (notes); M3_CUDA_L2_PREFETCH=1 turns it on

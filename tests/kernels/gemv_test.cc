@@ -24,13 +24,14 @@ struct GemvCase {
   WeightType type;
   int y_pad = 3;  // y_stride = out_rows + y_pad (3: rows past the first are not 16-byte aligned)
   bool gather = false;  // x rows gathered from an embedding table (GemvGather)
+  int rows_per_warp = 0;  // GemvArgs::rows_per_warp (batch 1 on CUDA cores)
 };
 
 std::string name_of(const GemvCase& c) {
   return std::to_string(c.out_rows) + "x" + std::to_string(c.cols) + " batch " +
          std::to_string(c.batch) + " epilogue " + std::to_string(static_cast<int>(c.epilogue)) +
          (c.norm ? " norm" : "") + (c.type == WeightType::BF16 ? " bf16" : " fp32") +
-         (c.gather ? " gather" : "");
+         (c.gather ? " gather" : "") + (c.rows_per_warp ? " rpw " + std::to_string(c.rows_per_warp) : "");
 }
 
 std::vector<float> run_case(const GemvCase& c, uint32_t seed) {
@@ -114,6 +115,7 @@ std::vector<float> run_case(const GemvCase& c, uint32_t seed) {
   a.y_stride = y_stride;
   a.batch = c.batch;
   a.epilogue = c.epilogue;
+  a.rows_per_warp = c.rows_per_warp;
   if (c.gather) {
     a.x = nullptr;
     a.gather.table = c.type == WeightType::BF16 ? static_cast<const void*>(dtable16.get()) : dtable32.get();
@@ -206,7 +208,8 @@ TEST(GemvKernel, RowBlockPathMatchesTwin) {
 
 // The step's first projection gathers its input rows from the embedding table: every
 // gemv kernel (CUDA cores at batch 1 and for fp32, the 16-row and row-block tensor-core
-// kernels), own tokens, the slot's last id, ids past the table.
+// kernels), own tokens, the slot's last id, ids past the table; and the batch-1 kernel
+// with each rows-per-warp the engine may ask for, gathering or not.
 TEST(GemvKernel, GatheredInputMatchesTwin) {
   M3_REQUIRE_CUDA_DEVICE();
   uint32_t seed = 3000;
@@ -219,6 +222,11 @@ TEST(GemvKernel, GatheredInputMatchesTwin) {
   for (int batch : {8, 13, 16, 40, 64}) {
     run_case({4724, 896, batch, GemvEpilogue::Store, true, WeightType::BF16, 0, true}, seed++);
     run_case({45, 256, batch, GemvEpilogue::Store, true, WeightType::BF16, 3, true}, seed++);
+  }
+  for (int rpw : {1, 2, 4}) {  // the batch-1 kernel's rows a warp, as the engine picks them
+    run_case({4724, 896, 1, GemvEpilogue::Store, true, WeightType::BF16, 3, true, rpw}, seed++);
+    run_case({301, 904, 1, GemvEpilogue::Accumulate, false, WeightType::BF16, 3, false, rpw}, seed++);
+    run_case({129, 136, 1, GemvEpilogue::GatedSilu, true, WeightType::F32, 3, false, rpw}, seed++);
   }
   setenv("M3_GEMV_KS", "2", 1);  // 14 column blocks a slice: the row-block kernel stages two chunks
   run_case({300, 896, 40, GemvEpilogue::Store, true, WeightType::BF16, 3, true}, seed++);
