@@ -78,6 +78,9 @@ struct MimoStepArgs {
   float* residual = nullptr;  // [batch, residual_stride]
   int residual_stride = 0;
   int d_model = 0;
+  // Tensor-core variant: blocks a cluster sums over before its atomics (4 or 8); 0: 8
+  // where the shape allows, else 4 (or M3_MIMO_TC_FUSED_CLUSTER).
+  int fused_cluster = 0;
 };
 
 // Whether plan_mimo_step can fuse out_proj for these sizes (the block's out_proj columns
@@ -91,6 +94,9 @@ KernelLaunch plan_mimo_step(const MimoStepArgs& args);
 // up to 128; with out_proj fused, also what mimo_step_tc_can_fuse_out_proj needs.
 bool mimo_step_tc_applies(const MimoStepArgs& args);
 bool mimo_step_tc_can_fuse_out_proj(const MimoStepArgs& args);
+// The cluster size the tensor-core variant sums out_proj over for these args (0: it cannot
+// fuse out_proj).
+int mimo_step_tc_fused_cluster(const MimoStepArgs& args);
 KernelLaunch plan_mimo_step_tc(const MimoStepArgs& args);
 
 }  // namespace m3::kernels

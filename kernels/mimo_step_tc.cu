@@ -514,10 +514,12 @@ bool mimo_step_tc_shape_applies(const MimoStepArgs& a) {
          a.d_state <= 128 && 2 * a.n_angles <= a.d_state;
 }
 
-// Blocks of a cluster of the fused kernel for p_blocks blocks a head: 8 where the shape
-// allows, else 4 (0: neither). M3_MIMO_TC_FUSED_CLUSTER=4|8 forces one (A/B).
+// Blocks of a cluster of the fused kernel for p_blocks blocks a head: args.fused_cluster
+// if set, else 8 where the shape allows, else 4 (0: none fits). M3_MIMO_TC_FUSED_CLUSTER=4|8
+// forces one where args do not (A/B).
 int fused_cluster(const MimoStepArgs& a, int p_blocks) {
-  static const int forced = env_int("M3_MIMO_TC_FUSED_CLUSTER", 0);
+  static const int env = env_int("M3_MIMO_TC_FUSED_CLUSTER", 0);
+  const int forced = a.fused_cluster != 0 ? a.fused_cluster : env;
   for (const int cl : {8, 4}) {
     if (forced != 0 && cl != forced) continue;
     if ((a.heads * p_blocks) % cl == 0 && a.d_model % (4 * cl) == 0) return cl;
@@ -590,6 +592,10 @@ KernelLaunch plan_rank_tc(const MimoStepArgs& a) {
 
 bool mimo_step_tc_can_fuse_out_proj(const MimoStepArgs& a) {
   return mimo_step_tc_shape_applies(a) && fused_blocks_per_head(a) > 0;
+}
+
+int mimo_step_tc_fused_cluster(const MimoStepArgs& a) {
+  return mimo_step_tc_can_fuse_out_proj(a) ? fused_cluster(a, fused_blocks_per_head(a)) : 0;
 }
 
 bool mimo_step_tc_applies(const MimoStepArgs& a) {

@@ -70,6 +70,8 @@ CudaEngine::CudaEngine(const ModelWeights& weights, const EngineOptions& options
   embedding_gather_ = std::clamp(kernels::env_int("M3_CUDA_FUSED_EMBEDDING", -1), -1, 1);
   gemv_rows_per_warp_ = kernels::env_int("M3_GEMV_SMALL_RPW", 0);
   if (gemv_rows_per_warp_ != 1 && gemv_rows_per_warp_ != 2 && gemv_rows_per_warp_ != 4) gemv_rows_per_warp_ = 0;
+  fused_cluster_ = kernels::env_int("M3_MIMO_TC_FUSED_CLUSTER", 0);
+  if (fused_cluster_ != 4 && fused_cluster_ != 8) fused_cluster_ = 0;
   if (const char* env = std::getenv("M3_CUDA_L2_PREFETCH"); env != nullptr) {
     l2_prefetch_ = std::string(env) == "1";
   }
@@ -178,6 +180,7 @@ DecodeGraph CudaEngine::plan_step(int batch, StepVariant variant) const {
   auto* tokens = slots + B;
   auto* parities = slots + 2 * B;
   bool any_out_proj_fused = false;
+  int fused_cluster = 0;  // as planned (the tensor-core kernel's)
   // One chain: the whole step (embedding, every layer, lm_head, sampling) for batch rows
   // [row0, row0 + rows) of the bucket; `split`: other chains run beside it.
   auto plan_chain = [&](std::vector<KernelLaunch>& out, int row0, int rows, bool split) {
@@ -286,8 +289,10 @@ DecodeGraph CudaEngine::plan_step(int batch, StepVariant variant) const {
         m.residual = res;
         m.residual_stride = c.d_model;
         m.d_model = c.d_model;
+        m.fused_cluster = variant.fused_cluster;
         out_proj_fused = kernels::mimo_step_can_fuse_out_proj(m);
         if (!out_proj_fused) m.out_proj = nullptr;
+        if (out_proj_fused && m.tensor_cores) fused_cluster = kernels::mimo_step_tc_fused_cluster(m);
       }
       any_out_proj_fused = any_out_proj_fused || out_proj_fused;
       out.push_back(kernels::plan_mimo_step(m));
@@ -327,7 +332,7 @@ DecodeGraph CudaEngine::plan_step(int batch, StepVariant variant) const {
     g.chain_begin.push_back(g.launches.size());
     plan_chain(g.launches, row0, (k + 1) * batch / chains - row0, chains > 1);
   }
-  g.variant = StepVariant{any_out_proj_fused, variant.embedding_gathered, variant.gemv_rows_per_warp};
+  g.variant = StepVariant{any_out_proj_fused, variant.embedding_gathered, variant.gemv_rows_per_warp, fused_cluster};
   return g;
 }
 

@@ -26,6 +26,7 @@ struct StepVariant {
   bool out_proj_fused = false;      // out_proj inside the recurrence, added by atomics
   bool embedding_gathered = false;  // the first in_proj reads the embedding rows itself
   int gemv_rows_per_warp = 0;       // batch 1: rows a warp of the CUDA-core gemvs takes (0: n/a)
+  int fused_cluster = 0;            // out_proj fused on tensor cores: blocks a cluster sums (0: n/a)
   bool operator==(const StepVariant&) const = default;
 };
 std::string to_string(const StepVariant& v);
@@ -114,6 +115,7 @@ class CudaEngine final : public Engine {
   int out_proj_fusion_ = -1;
   int embedding_gather_ = -1;
   int gemv_rows_per_warp_ = 0;  // batch 1: 0 measured (2 or 4), else fixed (M3_GEMV_SMALL_RPW)
+  int fused_cluster_ = 0;       // fused out_proj: 0 measured (4 or 8), else fixed (M3_MIMO_TC_FUSED_CLUSTER)
   int mimo_tc_min_batch_ = 1;  // bf16: tensor-core recurrence from this batch (M3_MIMO_TC_MIN_BATCH)
   int tc_fuse_max_batch_ = 1;  // ... with out_proj fused up to this batch (M3_MIMO_TC_FUSE_MAX_BATCH)
   bool l2_prefetch_ = false;  // measured slower at batch 1 (notes); M3_CUDA_L2_PREFETCH=1 turns it on

@@ -30,6 +30,7 @@ float median(std::vector<float> v) {
 
 std::string to_string(const StepVariant& v) {
   return std::string(v.out_proj_fused ? "out_proj fused" : "out_proj separate") +
+         (v.fused_cluster > 0 ? " (clusters of " + std::to_string(v.fused_cluster) + ")" : "") +
          (v.embedding_gathered ? ", embedding gathered" : ", embedding kernel") +
          (v.gemv_rows_per_warp > 0 ? ", gemv rows a warp " + std::to_string(v.gemv_rows_per_warp) : "");
 }
@@ -37,7 +38,9 @@ std::string to_string(const StepVariant& v) {
 // Every combination the switches leave open (-1: both ways; 0 / 1: that way only), and at
 // batch 1 two or four rows a warp for the CUDA-core gemvs (four halves in_proj's blocks,
 // so the fused recurrence's fit beside them: run 131, 145 -> 125 us on a machine where
-// the fused step had lost). Out of the tuned buckets: out_proj fused where the planner
+// the fused step had lost), and clusters of 4 or 8 blocks for the fused out_proj's sums
+// (run 133: 4 wins beside four rows a warp, 120.5 against 124.8 us; run 115: 8 wins beside
+// two, 115.9 against 120.3). Out of the tuned buckets: out_proj fused where the planner
 // allows it (the recurrence decides, see plan_step), the embedding gathered.
 std::vector<StepVariant> CudaEngine::step_variant_candidates(int batch) const {
   const bool tuned = batch <= kTunedMaxBatch;
@@ -48,9 +51,13 @@ std::vector<StepVariant> CudaEngine::step_variant_candidates(int batch) const {
   std::vector<int> rows_per_warp = {0};
   if (batch == 1) rows_per_warp = gemv_rows_per_warp_ > 0 ? std::vector<int>{gemv_rows_per_warp_} : std::vector<int>{2, 4};
   std::vector<StepVariant> out;
-  for (bool fused : ways(out_proj_fusion_))
+  for (bool fused : ways(out_proj_fusion_)) {
+    std::vector<int> clusters = {0};
+    if (fused && tuned) clusters = fused_cluster_ > 0 ? std::vector<int>{fused_cluster_} : std::vector<int>{8, 4};
     for (bool gathered : ways(embedding_gather_))
-      for (int rpw : rows_per_warp) out.push_back(StepVariant{fused, gathered, rpw});
+      for (int rpw : rows_per_warp)
+        for (int cl : clusters) out.push_back(StepVariant{fused, gathered, rpw, cl});
+  }
   return out;
 }
 

@@ -258,13 +258,13 @@ std::vector<float> decode_alone_against_cpu(Engine& gpu, Engine& cpu, int V, dou
   return all;
 }
 
-// The small buckets' step has variants (out_proj inside the recurrence or not; the
-// embedding gathered by the first in_proj or its own kernel; at batch 1 two or four rows a
-// warp in the gemvs): the engine measures them at load and keeps the fastest. Bucket 1 of
-// a bf16 engine with the s2s-14l head shape has all eight, bucket 2 the two embedding ways
-// (out_proj is fused at batch 1 only), bucket 4 none. Forced one by one, each variant
-// decodes what the CPU engine decodes, and the two embedding ways give the same logits bit
-// for bit.
+// The small buckets' step has variants (out_proj inside the recurrence or not, summed
+// over clusters of 4 or 8 blocks; the embedding gathered by the first in_proj or its own
+// kernel; at batch 1 two or four rows a warp in the gemvs): the engine measures them at
+// load and keeps the fastest. Bucket 1 of a bf16 engine with the s2s-14l head shape has
+// twelve, bucket 2 the two embedding ways (out_proj is fused at batch 1 only), bucket 4
+// none. Forced one by one, each variant decodes what the CPU engine decodes, and the two
+// embedding ways give the same logits bit for bit.
 TEST_F(CudaEngineTest, SmallBucketVariantsAreMeasuredAtLoadAndAllMatchCpuEngine) {
   M3_REQUIRE_CUDA_DEVICE();
   ModelConfig c = testing::small_config();
@@ -275,7 +275,7 @@ TEST_F(CudaEngineTest, SmallBucketVariantsAreMeasuredAtLoadAndAllMatchCpuEngine)
     auto* impl = dynamic_cast<cuda::CudaEngine*>(gpu.get());
     ASSERT_NE(impl, nullptr);
     const auto& measured = impl->step_variant_timings(1);
-    ASSERT_EQ(measured.size(), 8u);
+    ASSERT_EQ(measured.size(), 12u);
     auto fastest = measured.begin();
     for (auto it = measured.begin(); it != measured.end(); ++it) {
       EXPECT_GT(it->second, 0.f) << cuda::to_string(it->first);
@@ -297,17 +297,22 @@ TEST_F(CudaEngineTest, SmallBucketVariantsAreMeasuredAtLoadAndAllMatchCpuEngine)
   for (const char* fused : {"1", "0"}) {
     for (const char* gathered : {"1", "0"}) {
       for (const char* rows_per_warp : {"2", "4"}) {
-        SCOPED_TRACE(std::string("out_proj fused ") + fused + ", embedding gathered " + gathered +
-                     ", gemv rows a warp " + rows_per_warp);
-        ScopedEnv f("M3_CUDA_FUSED_OUT_PROJ", fused), g("M3_CUDA_FUSED_EMBEDDING", gathered),
-            r("M3_GEMV_SMALL_RPW", rows_per_warp);
-        auto gpu = cuda(3, WeightDType::BF16);
-        auto* impl = dynamic_cast<cuda::CudaEngine*>(gpu.get());
-        ASSERT_NE(impl, nullptr);
-        EXPECT_EQ(impl->step_variant(1), (cuda::StepVariant{*fused == '1', *gathered == '1', *rows_per_warp - '0'}));
-        EXPECT_TRUE(impl->step_variant_timings(1).empty()) << "a forced variant is not measured";
-        const std::vector<float> logits = decode_alone_against_cpu(*gpu, *ref, V(), 3e-2);
-        if (*fused == '0' && *rows_per_warp == '2') by_embedding[*gathered == '1'] = logits;  // no atomics
+        for (const char* cluster : {"8", "4"}) {
+          if (*fused == '0' && *cluster == '4') continue;  // no clusters without the fused out_proj
+          SCOPED_TRACE(std::string("out_proj fused ") + fused + ", embedding gathered " + gathered +
+                       ", gemv rows a warp " + rows_per_warp + ", clusters of " + cluster);
+          ScopedEnv f("M3_CUDA_FUSED_OUT_PROJ", fused), g("M3_CUDA_FUSED_EMBEDDING", gathered),
+              r("M3_GEMV_SMALL_RPW", rows_per_warp), k("M3_MIMO_TC_FUSED_CLUSTER", cluster);
+          auto gpu = cuda(3, WeightDType::BF16);
+          auto* impl = dynamic_cast<cuda::CudaEngine*>(gpu.get());
+          ASSERT_NE(impl, nullptr);
+          const cuda::StepVariant want{*fused == '1', *gathered == '1', *rows_per_warp - '0',
+                                       *fused == '1' ? *cluster - '0' : 0};
+          EXPECT_EQ(impl->step_variant(1), want) << cuda::to_string(impl->step_variant(1));
+          EXPECT_TRUE(impl->step_variant_timings(1).empty()) << "a forced variant is not measured";
+          const std::vector<float> logits = decode_alone_against_cpu(*gpu, *ref, V(), 3e-2);
+          if (*fused == '0' && *rows_per_warp == '2') by_embedding[*gathered == '1'] = logits;  // no atomics
+        }
       }
     }
   }
