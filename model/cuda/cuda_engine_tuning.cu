@@ -3,7 +3,7 @@
 // the GPU it runs on, not only on its model: on H200s lent for this project, out_proj
 // fused into the recurrence took the batch-1 step of s2s-14l from 137 to 115 us on some
 // and from 131 to 145 on others (PERFORMANCE_NOTES.md runs 115, 123-126), with the same
-// binary. So where both are possible the engine captures each variant, replays them in
+// binary. So where several are possible the engine captures each variant, replays them in
 // turns, and keeps the fastest, as cuDNN's benchmark mode and TensorRT's tactic timing do.
 #include <algorithm>
 #include <string>
