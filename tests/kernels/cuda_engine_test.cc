@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "gpu_test_util.h"
+#include "tests/error_of.h"
 #include "model/cpu_engine.h"
 #include "model/cuda/cuda_engine_impl.h"
 #include "model/cuda_engine.h"
@@ -27,12 +28,8 @@ TEST(CudaEngineNoDevice, FailsClearlyWithoutADevice) {
   ScratchDir dir("cuda_nodev");
   testing::write_model(testing::small_config(), dir.path());
   const ModelWeights w = ModelWeights::load(dir.path());
-  try {
-    make_cuda_engine(w, EngineOptions{});
-    FAIL() << "expected an error";
-  } catch (const std::runtime_error& e) {
-    EXPECT_NE(std::string(e.what()).find("device 0 requested, 0 visible"), std::string::npos) << e.what();
-  }
+  const std::string msg = test::error_of([&] { make_cuda_engine(w, EngineOptions{}); });
+  EXPECT_NE(msg.find("device 0 requested, 0 visible"), std::string::npos) << msg;
 }
 
 struct Variant {
@@ -413,35 +410,21 @@ TEST_F(CudaEngineTest, RejectsBadArguments) {
   std::vector<int32_t> out(2);
   auto expect_error = [&](std::vector<int32_t> slots, std::vector<int32_t> tokens, const std::string& text) {
     std::vector<int32_t> o(slots.size());
-    try {
-      e->step(slots, tokens, o);
-      FAIL() << "expected an error containing " << text;
-    } catch (const std::invalid_argument& ex) {
-      EXPECT_NE(std::string(ex.what()).find(text), std::string::npos) << ex.what();
-    }
+    const std::string msg = test::error_of<std::invalid_argument>([&] { e->step(slots, tokens, o); });
+    EXPECT_NE(msg.find(text), std::string::npos) << msg;
   };
   expect_error({3}, {1}, "step: slot 3 is out of range [0, 3)");
   expect_error({1, 1}, {1, 2}, "step: slot 1 is listed twice");
   expect_error({0}, {203}, "step: slot 0: token 203 is outside [0, 203)");
   expect_error({0}, {kContinueToken}, "step: slot 0: kContinueToken but the slot has no sampled token yet");
-  try {
-    e->step(std::vector<int32_t>{0, 1}, std::vector<int32_t>{1}, out);
-    FAIL();
-  } catch (const std::invalid_argument& ex) {
-    EXPECT_NE(std::string(ex.what()).find("2 slots but 1 tokens"), std::string::npos) << ex.what();
-  }
-  try {
-    e->reset(-1);
-    FAIL();
-  } catch (const std::invalid_argument& ex) {
-    EXPECT_NE(std::string(ex.what()).find("reset: slot -1 is out of range"), std::string::npos) << ex.what();
-  }
-  try {
-    e->set_sampling(0, {1.f, -1, 1.f, 0});
-    FAIL();
-  } catch (const std::invalid_argument& ex) {
-    EXPECT_NE(std::string(ex.what()).find("set_sampling: slot 0"), std::string::npos) << ex.what();
-  }
+  auto expect_call_error = [](auto&& call, const std::string& text) {
+    const std::string msg = test::error_of<std::invalid_argument>(call);
+    EXPECT_NE(msg.find(text), std::string::npos) << msg;
+  };
+  expect_call_error([&] { e->step(std::vector<int32_t>{0, 1}, std::vector<int32_t>{1}, out); },
+                    "2 slots but 1 tokens");
+  expect_call_error([&] { e->reset(-1); }, "reset: slot -1 is out of range");
+  expect_call_error([&] { e->set_sampling(0, {1.f, -1, 1.f, 0}); }, "set_sampling: slot 0");
 }
 
 }  // namespace

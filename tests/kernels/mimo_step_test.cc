@@ -8,6 +8,7 @@
 
 #include "gpu_test_util.h"
 #include "kernels/mimo_step.cuh"
+#include "tests/error_of.h"
 
 namespace m3 {
 namespace {
@@ -334,12 +335,8 @@ TEST(MimoStepKernel, TensorCoreVariantRefusesToFuseWhatItCannot) {
   a.residual_stride = 68;
   a.out_proj_type = kernels::WeightType::F32;
   EXPECT_FALSE(kernels::mimo_step_tc_applies(a));
-  try {
-    kernels::plan_mimo_step(a);
-    FAIL() << "expected an error";
-  } catch (const std::invalid_argument& e) {
-    EXPECT_NE(std::string(e.what()).find("out_proj cannot be fused"), std::string::npos) << e.what();
-  }
+  const std::string msg = test::error_of<std::invalid_argument>([&] { kernels::plan_mimo_step(a); });
+  EXPECT_NE(msg.find("out_proj cannot be fused"), std::string::npos) << msg;
   a.out_proj_type = kernels::WeightType::BF16;
   a.d_state = 64;
   EXPECT_FALSE(kernels::mimo_step_can_fuse_out_proj(a));
@@ -374,24 +371,16 @@ TEST(MimoStepKernel, TensorCoreVariantRefusesWhatItCannotDo) {
   EXPECT_TRUE(kernels::mimo_step_tc_applies(a));
   a.headdim = 40;
   EXPECT_FALSE(kernels::mimo_step_tc_applies(a));
-  try {
-    kernels::plan_mimo_step_tc(a);
-    FAIL() << "expected an error";
-  } catch (const std::invalid_argument& e) {
-    EXPECT_NE(std::string(e.what()).find("headdim a multiple of 16"), std::string::npos) << e.what();
-  }
+  const std::string msg = test::error_of<std::invalid_argument>([&] { kernels::plan_mimo_step_tc(a); });
+  EXPECT_NE(msg.find("headdim a multiple of 16"), std::string::npos) << msg;
 }
 
 TEST(MimoStepKernel, RejectsUnsupportedRank) {
   M3_REQUIRE_CUDA_DEVICE();
   kernels::MimoStepArgs a;
   a.heads = 2; a.headdim = 16; a.d_state = 16; a.rank = 3; a.n_angles = 4; a.batch = 1;
-  try {
-    kernels::plan_mimo_step(a);
-    FAIL() << "expected an error";
-  } catch (const std::invalid_argument& e) {
-    EXPECT_NE(std::string(e.what()).find("mimo rank must be 1, 2, 4 or 8"), std::string::npos) << e.what();
-  }
+  const std::string msg = test::error_of<std::invalid_argument>([&] { kernels::plan_mimo_step(a); });
+  EXPECT_NE(msg.find("mimo rank must be 1, 2, 4 or 8"), std::string::npos) << msg;
 }
 
 }  // namespace

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "model/safetensors.h"
+#include "tests/error_of.h"
 
 namespace m3::test {
 
@@ -54,18 +55,6 @@ inline std::string safetensors_bytes(const std::string& header, const std::strin
   std::string out(8, '\0');
   for (int i = 0; i < 8; ++i) out[i] = static_cast<char>((n >> (8 * i)) & 0xff);
   return out + header + data;
-}
-
-// The message of the exception `f` throws (type E); a test failure if it throws none.
-template <typename E = std::runtime_error, typename F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const E& e) {
-    return e.what();
-  }
-  ADD_FAILURE() << "expected an exception, none was thrown";
-  return "";
 }
 
 // Copies of every tensor in a file, to rewrite a model with a change.
