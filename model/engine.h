@@ -75,6 +75,10 @@ class Engine {
                     std::span<int32_t> sampled, std::span<float> logits = {}) = 0;
 
   virtual EngineStats stats() const = 0;
+
+  // Choices the engine made at load that operators may want to see (the CUDA engine: the
+  // batch-1 and batch-2 step variants it measured fastest); empty when there are none.
+  virtual std::string load_report() const { return {}; }
 };
 
 // backend: "cpu", "cuda", or "auto" (CUDA when built with it and a GPU is present).

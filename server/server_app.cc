@@ -52,6 +52,9 @@ ServerApp::ServerApp(const ServerConfig& config, std::shared_ptr<spdlog::logger>
   logger_->info("model {}: {} layers, d_model {}, vocab {}, {} parameters; backend {} with {} slots",
                 model_dir.string(), mc.n_layer, mc.d_model, mc.vocab_size, mc.parameter_count(),
                 engine_->backend(), engine_->max_slots());
+  if (const std::string report = engine_->load_report(); !report.empty()) {
+    logger_->info("engine step variants measured at load: {}", report);
+  }
 
   if (!config_.tokenizer.empty()) {
     tokenizer_ = Tokenizer::load(config_.tokenizer);

@@ -54,6 +54,7 @@ class CudaEngine final : public Engine {
   CudaEngine& operator=(const CudaEngine&) = delete;
 
   std::string_view backend() const override { return "cuda"; }
+  std::string load_report() const override;
   const ModelConfig& config() const override { return config_; }
   int max_slots() const override { return max_slots_; }
   void reset(int slot) override;

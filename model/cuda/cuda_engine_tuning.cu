@@ -6,6 +6,7 @@
 // binary. So where several are possible the engine captures each variant, replays them in
 // turns, and keeps the fastest, as cuDNN's benchmark mode and TensorRT's tactic timing do.
 #include <algorithm>
+#include <cstdio>
 #include <string>
 #include <vector>
 
@@ -90,6 +91,25 @@ DecodeGraph CudaEngine::choose_step_variant(std::vector<DecodeGraph> candidates)
   DecodeGraph chosen = std::move(candidates[best]);
   chosen.measured = std::move(measured);
   return chosen;
+}
+
+// "batch 1: <variant> (<us> us, fastest of <n> measured); batch 2: ..." for the buckets
+// that measured their variants.
+std::string CudaEngine::load_report() const {
+  std::string out;
+  for (const DecodeGraph& g : graphs_) {
+    if (g.measured.empty()) continue;
+    float us = 0.f;
+    for (const auto& [variant, t] : g.measured) {
+      if (variant == g.variant) us = t;
+    }
+    char time[32];
+    std::snprintf(time, sizeof time, "%.1f", us);
+    if (!out.empty()) out += "; ";
+    out += "batch " + std::to_string(g.batch) + ": " + to_string(g.variant) + " (" + time + " us a step, fastest of " +
+           std::to_string(g.measured.size()) + " measured)";
+  }
+  return out;
 }
 
 }  // namespace m3::cuda

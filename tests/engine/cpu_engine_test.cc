@@ -62,6 +62,7 @@ std::string invalid_argument_of(const std::function<void()>& f) {
 TEST_F(CpuEngineTest, ReportsItsShape) {
   auto e = engine(3);
   EXPECT_EQ(e->backend(), "cpu");
+  EXPECT_EQ(e->load_report(), "");  // nothing chosen at load
   EXPECT_EQ(e->max_slots(), 3);
   EXPECT_EQ(e->config().vocab_size, 203);
   EXPECT_EQ(e->config().padded_vocab(), 208);

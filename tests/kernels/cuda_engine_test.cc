@@ -288,6 +288,10 @@ TEST_F(CudaEngineTest, SmallBucketVariantsAreMeasuredAtLoadAndAllMatchCpuEngine)
     // embedding kernel more when not gathered.
     EXPECT_EQ(impl->kernels_per_step(1), impl->kernels_per_step(4) - (chosen.out_proj_fused ? c.n_layer : 0) +
                                              (chosen.embedding_gathered ? 0 : 1));
+    // What the server logs at start.
+    const std::string report = gpu->load_report();
+    EXPECT_NE(report.find("batch 1: " + cuda::to_string(chosen) + " ("), std::string::npos) << report;
+    EXPECT_NE(report.find("fastest of 12 measured); batch 2: "), std::string::npos) << report;
   }
   auto ref = cpu(3);
   std::vector<float> by_embedding[2];
@@ -307,6 +311,7 @@ TEST_F(CudaEngineTest, SmallBucketVariantsAreMeasuredAtLoadAndAllMatchCpuEngine)
                                        *fused == '1' ? *cluster - '0' : 0};
           EXPECT_EQ(impl->step_variant(1), want) << cuda::to_string(impl->step_variant(1));
           EXPECT_TRUE(impl->step_variant_timings(1).empty()) << "a forced variant is not measured";
+          EXPECT_EQ(gpu->load_report(), "");
           const std::vector<float> logits = decode_alone_against_cpu(*gpu, *ref, V(), 3e-2);
           if (*fused == '0' && *rows_per_warp == '2') by_embedding[*gathered == '1'] = logits;  // no atomics
         }
