@@ -12,6 +12,7 @@
 
 #include "kernels/philox.h"
 #include "model/cpu_sampling.h"
+#include "tests/error_of.h"
 
 namespace m3 {
 namespace {
@@ -183,18 +184,10 @@ TEST(Sampling, NaNLogitsAreNeverDrawn) {
 TEST(Sampling, RejectsShortLogitsAndSmallScratch) {
   const std::vector<float> logits(10, 0.0f);
   SamplingScratch small(5), fine(20);
-  try {
-    sample_token(logits, 10, hot(1.0f), 0, small);
-    FAIL() << "no throw";
-  } catch (const std::invalid_argument& e) {
-    EXPECT_STREQ(e.what(), "sample_token: scratch sized for 5 ids, vocab_size is 10");
-  }
-  try {
-    sample_token(logits, 11, hot(1.0f), 0, fine);
-    FAIL() << "no throw";
-  } catch (const std::invalid_argument& e) {
-    EXPECT_STREQ(e.what(), "sample_token: 10 logits for vocab_size 11");
-  }
+  EXPECT_EQ(test::error_of<std::invalid_argument>([&] { sample_token(logits, 10, hot(1.0f), 0, small); }),
+            "sample_token: scratch sized for 5 ids, vocab_size is 10");
+  EXPECT_EQ(test::error_of<std::invalid_argument>([&] { sample_token(logits, 11, hot(1.0f), 0, fine); }),
+            "sample_token: 10 logits for vocab_size 11");
 }
 
 TEST(Sampling, ValidateNamesTheBadParameter) {

@@ -14,6 +14,8 @@
 #include <stdexcept>
 #include <string>
 
+#include "tests/error_of.h"
+
 namespace m3 {
 namespace {
 
@@ -145,14 +147,8 @@ TEST(ServerMetrics, ScrapeOverHttpReturnsTheSeries) {
 TEST(ServerMetrics, AnAddressInUseIsReportedWithTheAddress) {
   ServerMetrics first("127.0.0.1:0");
   const std::string taken = "127.0.0.1:" + std::to_string(first.exposer_port());
-  try {
-    ServerMetrics second(taken);
-    FAIL() << "a second exposer bound " << taken;
-  } catch (const std::runtime_error& e) {
-    EXPECT_NE(std::string(e.what()).find("metrics: cannot serve /metrics on " + taken),
-              std::string::npos)
-        << e.what();
-  }
+  const std::string msg = test::error_of([&] { ServerMetrics second(taken); });
+  EXPECT_NE(msg.find("metrics: cannot serve /metrics on " + taken), std::string::npos) << msg;
 }
 
 // The dashboard charts exactly the series the server exports: every m3serve_* name it

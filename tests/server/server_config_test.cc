@@ -6,17 +6,15 @@
 #include <fstream>
 
 #include "server/server_config.h"
+#include "tests/error_of.h"
 
 namespace m3 {
 namespace {
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const std::invalid_argument& e) {
-    return e.what();
-  }
-  return "(no error)";
+// Every refusal here is a std::invalid_argument.
+template <typename F>
+std::string error_of(F&& f) {
+  return test::error_of<std::invalid_argument>(f);
 }
 
 ServerConfig from_yaml(const std::string& text) {

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "m3serve.grpc.pb.h"
+#include "tests/error_of.h"
 
 namespace m3 {
 namespace {
@@ -22,12 +23,7 @@ const std::string kModel = M3_TEST_SPM_MODEL;
 const std::string kVocab = M3_TEST_SPM_VOCAB;  // spm_train's piece list, one per line
 
 std::string load_error(const std::filesystem::path& model, const std::filesystem::path& shim) {
-  try {
-    Tokenizer::load(model, shim);
-  } catch (const std::runtime_error& e) {
-    return e.what();
-  }
-  return "(no error)";
+  return test::error_of([&] { Tokenizer::load(model, shim); });
 }
 
 std::string stream_text(const Tokenizer& tokenizer, const std::vector<int32_t>& ids) {
@@ -227,15 +223,10 @@ TEST(Tokenizer, PieceBytesShowTheWordBoundaryAsASpace) {
 TEST(Tokenizer, OutOfRangeIdsAreRejectedWithTheId) {
   const auto tokenizer = Tokenizer::load(kModel, kShim);
   const std::vector<int32_t> ids = {5, tokenizer->vocab_size()};
-  try {
-    tokenizer->decode(ids);
-    FAIL() << "decode accepted an id past the vocabulary";
-  } catch (const std::invalid_argument& e) {
-    EXPECT_NE(std::string(e.what()).find("token id " + std::to_string(tokenizer->vocab_size()) +
-                                         " at position 1 is outside the vocabulary"),
-              std::string::npos)
-        << e.what();
-  }
+  const std::string msg = test::error_of<std::invalid_argument>([&] { tokenizer->decode(ids); });
+  EXPECT_NE(msg.find("token id " + std::to_string(tokenizer->vocab_size()) + " at position 1 is outside the vocabulary"),
+            std::string::npos)
+      << msg;
   EXPECT_THROW(tokenizer->piece_bytes(-1), std::invalid_argument);
 }
 
