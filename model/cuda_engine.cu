@@ -137,12 +137,7 @@ CudaEngine::CudaEngine(const ModelWeights& weights, const EngineOptions& options
 
   build_plans();
   if (use_graphs_) capture_graphs();
-  // The variants' trial steps ran on the scratch slot: leave it as a reset would.
-  const size_t scratch = static_cast<size_t>(scratch_slot_);
-  M3_CUDA_CHECK(cudaMemset(state_.as<float>() + scratch * slot_state_floats_, 0,
-                           sizeof(float) * slot_state_floats_));
-  M3_CUDA_CHECK(cudaMemset(counters_.as<uint64_t>() + scratch, 0, sizeof(uint64_t)));
-  M3_CUDA_CHECK(cudaMemset(last_token_.as<int32_t>() + scratch, 0, sizeof(int32_t)));
+  zero_slot(scratch_slot_);  // the variants' trial steps ran on it
   M3_CUDA_CHECK(cudaDeviceSynchronize());
 }
 
@@ -410,13 +405,19 @@ void CudaEngine::reset(int slot) {
     throw std::invalid_argument(slot_context("reset", slot) + " is out of range [0, " +
                                 std::to_string(max_slots_) + ")");
   }
-  float* st = state_.as<float>() + slot * slot_state_floats_;
-  M3_CUDA_CHECK(cudaMemsetAsync(st, 0, sizeof(float) * slot_state_floats_, stream_));
-  M3_CUDA_CHECK(cudaMemsetAsync(counters_.as<uint64_t>() + slot, 0, sizeof(uint64_t), stream_));
-  M3_CUDA_CHECK(cudaMemsetAsync(last_token_.as<int32_t>() + slot, 0, sizeof(int32_t), stream_));
+  zero_slot(slot);
   M3_CUDA_CHECK(cudaStreamSynchronize(stream_));
   has_sample_[slot] = 0;
   steps_since_reset_[slot] = 0;
+}
+
+// The slot's device side as a new sequence finds it: state, random-draw counter and last
+// sampled token zero (queued on stream_).
+void CudaEngine::zero_slot(int slot) {
+  float* st = state_.as<float>() + static_cast<size_t>(slot) * slot_state_floats_;
+  M3_CUDA_CHECK(cudaMemsetAsync(st, 0, sizeof(float) * slot_state_floats_, stream_));
+  M3_CUDA_CHECK(cudaMemsetAsync(counters_.as<uint64_t>() + slot, 0, sizeof(uint64_t), stream_));
+  M3_CUDA_CHECK(cudaMemsetAsync(last_token_.as<int32_t>() + slot, 0, sizeof(int32_t), stream_));
 }
 
 void CudaEngine::set_sampling(int slot, const SamplingParams& params) {

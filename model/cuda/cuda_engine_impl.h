@@ -102,6 +102,7 @@ class CudaEngine final : public Engine {
   void capture_graphs();
   void run_plan(const DecodeGraph& g, bool use_graph);
   void launch_chains(const DecodeGraph& g);
+  void zero_slot(int slot);
   int chains_for_batch(int batch) const;
   const DecodeGraph& graph_for_batch(int batch) const;
 
