@@ -236,8 +236,8 @@ bool use_tensor_cores() {
 // M3_GEMV_SMALL_RPW=1 or 4 for A/B measurements (1 still moves to two when one row per
 // warp would need a second wave).
 int small_rows_per_warp() {
-  static const int rpw = env_int("M3_GEMV_SMALL_RPW", 2);
-  return rpw == 1 || rpw == 4 ? rpw : 2;
+  const int forced = gemv_small_rows_per_warp_switch();
+  return forced != 0 ? forced : 2;
 }
 
 template <typename W, GemvEpilogue E, bool G>
@@ -273,6 +273,11 @@ KernelLaunch plan_typed(const GemvArgs& a, int tile) {
 }
 
 }  // namespace
+
+int gemv_small_rows_per_warp_switch() {
+  const int rpw = env_int("M3_GEMV_SMALL_RPW", 0);
+  return rpw == 1 || rpw == 2 || rpw == 4 ? rpw : 0;
+}
 
 KernelLaunch plan_gemv(const GemvArgs& a) {
   const std::string shape = "gemv " + std::to_string(a.out_rows) + "x" + std::to_string(a.cols) +

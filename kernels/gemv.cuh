@@ -54,6 +54,11 @@ struct GemvArgs {
   int rows_per_warp = 0;
 };
 
+// M3_GEMV_SMALL_RPW (A/B measurements): the rows per warp it fixes for batch-1 gemvs on
+// CUDA cores (1, 2 or 4), else 0. Read at every call (planning only), so an engine built
+// after the variable changed sees the change.
+int gemv_small_rows_per_warp_switch();
+
 // Picks the batch tile and rows per warp for `batch`, checks sizes and shared memory.
 KernelLaunch plan_gemv(const GemvArgs& args);
 

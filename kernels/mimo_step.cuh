@@ -97,6 +97,9 @@ bool mimo_step_tc_can_fuse_out_proj(const MimoStepArgs& args);
 // The cluster size the tensor-core variant sums out_proj over for these args (0: it cannot
 // fuse out_proj).
 int mimo_step_tc_fused_cluster(const MimoStepArgs& args);
+// M3_MIMO_TC_FUSED_CLUSTER (A/B measurements): the cluster size it fixes for the fused
+// out_proj where args.fused_cluster does not (4 or 8), else 0. Read at every call.
+int mimo_step_tc_fused_cluster_switch();
 KernelLaunch plan_mimo_step_tc(const MimoStepArgs& args);
 
 }  // namespace m3::kernels

@@ -518,8 +518,7 @@ bool mimo_step_tc_shape_applies(const MimoStepArgs& a) {
 // if set, else 8 where the shape allows, else 4 (0: none fits). M3_MIMO_TC_FUSED_CLUSTER=4|8
 // forces one where args do not (A/B).
 int fused_cluster(const MimoStepArgs& a, int p_blocks) {
-  static const int env = env_int("M3_MIMO_TC_FUSED_CLUSTER", 0);
-  const int forced = a.fused_cluster != 0 ? a.fused_cluster : env;
+  const int forced = a.fused_cluster != 0 ? a.fused_cluster : mimo_step_tc_fused_cluster_switch();
   for (const int cl : {8, 4}) {
     if (forced != 0 && cl != forced) continue;
     if ((a.heads * p_blocks) % cl == 0 && a.d_model % (4 * cl) == 0) return cl;
@@ -592,6 +591,11 @@ KernelLaunch plan_rank_tc(const MimoStepArgs& a) {
 
 bool mimo_step_tc_can_fuse_out_proj(const MimoStepArgs& a) {
   return mimo_step_tc_shape_applies(a) && fused_blocks_per_head(a) > 0;
+}
+
+int mimo_step_tc_fused_cluster_switch() {
+  const int cl = env_int("M3_MIMO_TC_FUSED_CLUSTER", 0);
+  return cl == 4 || cl == 8 ? cl : 0;
 }
 
 int mimo_step_tc_fused_cluster(const MimoStepArgs& a) {

@@ -68,10 +68,8 @@ CudaEngine::CudaEngine(const ModelWeights& weights, const EngineOptions& options
   out_proj_fusion_ = std::clamp(kernels::env_int("M3_CUDA_FUSED_OUT_PROJ", -1), -1, 1);
   if (options.deterministic) out_proj_fusion_ = 0;  // the fused out_proj adds with atomics
   embedding_gather_ = std::clamp(kernels::env_int("M3_CUDA_FUSED_EMBEDDING", -1), -1, 1);
-  gemv_rows_per_warp_ = kernels::env_int("M3_GEMV_SMALL_RPW", 0);
-  if (gemv_rows_per_warp_ != 1 && gemv_rows_per_warp_ != 2 && gemv_rows_per_warp_ != 4) gemv_rows_per_warp_ = 0;
-  fused_cluster_ = kernels::env_int("M3_MIMO_TC_FUSED_CLUSTER", 0);
-  if (fused_cluster_ != 4 && fused_cluster_ != 8) fused_cluster_ = 0;
+  gemv_rows_per_warp_ = kernels::gemv_small_rows_per_warp_switch();
+  fused_cluster_ = kernels::mimo_step_tc_fused_cluster_switch();
   if (const char* env = std::getenv("M3_CUDA_L2_PREFETCH"); env != nullptr) {
     l2_prefetch_ = std::string(env) == "1";
   }
