@@ -26,10 +26,7 @@ __global__ void embedding_kernel(const EmbeddingParams<W> p) {
   wait_for_previous_kernel();
   allow_next_kernel();  // the first layer's in_proj loads its weights while the rows are copied
   const int b = blockIdx.y;
-  int token = p.tokens[b];
-  if (token < 0) token = p.last_token[p.slots[b]];
-  // Ids are validated on the host; clamp so a corrupted table can never read out of range.
-  token = min(max(token, 0), p.vocab_rows - 1);
+  const int token = step_input_token(p.tokens, p.last_token, p.slots, b, p.vocab_rows);
   const W* row = p.table + static_cast<size_t>(token) * p.dim;
   float* out = p.out + static_cast<size_t>(b) * p.dim;
   for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < p.dim; i += gridDim.x * blockDim.x) {

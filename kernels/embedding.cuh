@@ -27,4 +27,16 @@ struct EmbeddingArgs {
 
 KernelLaunch plan_embedding(const EmbeddingArgs& args);
 
+#if defined(__CUDACC__)
+// The token of entry b as above, clamped into the table's vocab_rows: ids are validated on
+// the host, and the clamp keeps a corrupted table from ever reading out of range. Shared by
+// the embedding kernel and the gemvs that gather their input rows (GemvGather).
+__device__ __forceinline__ int step_input_token(const int32_t* tokens, const int32_t* last_token,
+                                                const int32_t* slots, int b, int vocab_rows) {
+  int token = tokens[b];
+  if (token < 0) token = last_token[slots[b]];
+  return min(max(token, 0), vocab_rows - 1);
+}
+#endif
+
 }  // namespace m3::kernels

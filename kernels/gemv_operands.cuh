@@ -56,11 +56,7 @@ template <bool kGather, typename W>
 __device__ __forceinline__ const W* gemv_gather_row(const GemvOperands<W>& p, const GemvGatherOperands<W>& g,
                                                     int b) {
   if constexpr (!kGather) return nullptr;
-  int token = g.tokens[b];
-  if (token < 0) token = g.last_token[g.slots[b]];
-  // Ids are validated on the host; clamp so a corrupted table can never read out of range.
-  token = min(max(token, 0), g.vocab_rows - 1);
-  return g.table + (size_t)token * p.cols;
+  return g.table + (size_t)step_input_token(g.tokens, g.last_token, g.slots, b, g.vocab_rows) * p.cols;
 }
 
 // Elements 4i .. 4i + 3 of input row b: from x, or (gathering) from the embedding row
