@@ -290,6 +290,26 @@ TEST(GemvKernel, RejectsAGatherWithoutWhatItNeeds) {
   expect_refused("rows_out not 16-byte aligned");
 }
 
+TEST(GemvKernel, RejectsRowsPerWarpItHasNoKernelFor) {
+  M3_REQUIRE_CUDA_DEVICE();
+  DeviceArray<float> buf(1024);
+  kernels::GemvArgs a;
+  a.weight = buf.get();
+  a.type = WeightType::F32;
+  a.out_rows = 4;
+  a.cols = 8;
+  a.x = buf.get();
+  a.x_stride = 8;
+  a.y = buf.get();
+  a.y_stride = 4;
+  a.batch = 1;
+  a.rows_per_warp = 4;
+  EXPECT_NO_THROW(kernels::plan_gemv(a));
+  a.rows_per_warp = 3;
+  const std::string msg = test::error_of<std::invalid_argument>([&] { kernels::plan_gemv(a); });
+  EXPECT_NE(msg.find("rows_per_warp 3 is not 0 (default), 1, 2 or 4"), std::string::npos) << msg;
+}
+
 TEST(GemvKernel, RejectsColumnsThatBreakVectorLoads) {
   M3_REQUIRE_CUDA_DEVICE();
   expect_plan_refused(12, "multiples of 8");
