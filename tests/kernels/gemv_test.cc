@@ -244,19 +244,26 @@ TEST(GemvKernel, RowBlockPathIsDeterministic) {
   }
 }
 
-// plan_gemv on a one-vector fp32 problem of `cols` columns must refuse with `expected`.
-void expect_plan_refused(int cols, const std::string& expected) {
-  DeviceArray<float> buf(1024);
+// A one-vector fp32 problem of 4 rows and `cols` columns, every operand in `buf`: for the
+// plan's refusals (nothing is launched).
+kernels::GemvArgs small_problem(float* buf, int cols) {
   kernels::GemvArgs a;
-  a.weight = buf.get();
+  a.weight = buf;
   a.type = WeightType::F32;
   a.out_rows = 4;
   a.cols = cols;
-  a.x = buf.get();
+  a.x = buf;
   a.x_stride = cols;
-  a.y = buf.get();
+  a.y = buf;
   a.y_stride = 4;
   a.batch = 1;
+  return a;
+}
+
+// plan_gemv on a one-vector fp32 problem of `cols` columns must refuse with `expected`.
+void expect_plan_refused(int cols, const std::string& expected) {
+  DeviceArray<float> buf(1024);
+  const kernels::GemvArgs a = small_problem(buf.get(), cols);
   const std::string msg = test::error_of<std::invalid_argument>([&] { kernels::plan_gemv(a); });
   EXPECT_NE(msg.find(expected), std::string::npos) << cols << " columns: " << msg;
 }
@@ -265,15 +272,8 @@ TEST(GemvKernel, RejectsAGatherWithoutWhatItNeeds) {
   M3_REQUIRE_CUDA_DEVICE();
   DeviceArray<float> buf(1024);
   DeviceArray<int32_t> ids(4);
-  kernels::GemvArgs a;
-  a.weight = buf.get();
-  a.type = WeightType::F32;
-  a.out_rows = 4;
-  a.cols = 8;
-  a.x_stride = 8;
-  a.y = buf.get();
-  a.y_stride = 4;
-  a.batch = 1;
+  kernels::GemvArgs a = small_problem(buf.get(), 8);
+  a.x = nullptr;  // gathering reads no x
   a.gather = kernels::GemvGather{buf.get(), 4, ids.get(), ids.get(), ids.get(), buf.get()};
   EXPECT_NO_THROW(kernels::plan_gemv(a));
   auto expect_refused = [&](const char* what) {
@@ -293,16 +293,7 @@ TEST(GemvKernel, RejectsAGatherWithoutWhatItNeeds) {
 TEST(GemvKernel, RejectsRowsPerWarpItHasNoKernelFor) {
   M3_REQUIRE_CUDA_DEVICE();
   DeviceArray<float> buf(1024);
-  kernels::GemvArgs a;
-  a.weight = buf.get();
-  a.type = WeightType::F32;
-  a.out_rows = 4;
-  a.cols = 8;
-  a.x = buf.get();
-  a.x_stride = 8;
-  a.y = buf.get();
-  a.y_stride = 4;
-  a.batch = 1;
+  kernels::GemvArgs a = small_problem(buf.get(), 8);
   a.rows_per_warp = 4;
   EXPECT_NO_THROW(kernels::plan_gemv(a));
   a.rows_per_warp = 3;
