@@ -392,9 +392,7 @@ RowsLayout rows_layout(int kblocks, int bt, int ks) {
 // Blocks of this kernel the GPU runs at once: clusters must fit within one GPC, so large
 // clusters leave multiprocessors unused (measured: 32 clusters of 7, 30 of 8 at once).
 long resident_blocks(const void* k, int ks, size_t smem) {
-  if (smem > 48 * 1024) {
-    M3_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-  }
+  allow_dynamic_smem(k, smem);
   cudaLaunchConfig_t config{};
   config.gridDim = dim3(ks, 1, 1);
   config.blockDim = dim3(kThreads, 1, 1);

@@ -34,6 +34,14 @@ int pdl_trigger_point(PdlStage stage) {
   return (first & bit) != 0 ? 2 : (after_wait & bit) != 0 ? 1 : 0;
 }
 
+void allow_dynamic_smem(const void* kernel, size_t bytes) {
+  if (bytes <= 48 * 1024) return;
+  cudaFuncAttributes attr{};
+  M3_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
+  if (bytes <= static_cast<size_t>(attr.maxDynamicSharedSizeBytes)) return;
+  M3_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+}
+
 void KernelLaunch::check_resources() const {
   cudaFuncAttributes attr{};
   M3_CUDA_CHECK(cudaFuncGetAttributes(&attr, func_));
@@ -52,10 +60,7 @@ void KernelLaunch::check_resources() const {
                              " threads per block; its registers allow " +
                              std::to_string(attr.maxThreadsPerBlock));
   }
-  if (smem_ > 48 * 1024) {
-    M3_CUDA_CHECK(cudaFuncSetAttribute(func_, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       static_cast<int>(smem_)));
-  }
+  allow_dynamic_smem(func_, smem_);
 }
 
 int KernelLaunch::resident_blocks_per_sm(int threads_per_block) const {

@@ -19,6 +19,13 @@ int multiprocessor_count();
 // does not, planners pick a kernel without them instead of failing at the first launch).
 bool cluster_launch_supported();
 
+// Lets `kernel` take `bytes` of dynamic shared memory (above the default 48 KB). The limit
+// belongs to the kernel, not to one launch, so it is only ever raised: lowering it for a
+// smaller plan made an earlier, larger plan of the same kernel fail at launch with
+// cudaErrorInvalidValue (seen on branch experiment/persistent-step, PERFORMANCE_NOTES.md
+// run 143).
+void allow_dynamic_smem(const void* kernel, size_t bytes);
+
 // An integer environment switch for A/B measurements, or `fallback` when unset.
 int env_int(const char* name, int fallback);
 

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <functional>
 #include <stdexcept>
 #include <string>
 
@@ -35,7 +36,9 @@ std::string name_of(const GemvCase& c) {
          (c.gather ? " gather" : "") + (c.rows_per_warp ? " rpw " + std::to_string(c.rows_per_warp) : "");
 }
 
-std::vector<float> run_case(const GemvCase& c, uint32_t seed) {
+// `planned` (when given) sees the plan before it is launched.
+std::vector<float> run_case(const GemvCase& c, uint32_t seed,
+                            const std::function<void(const kernels::KernelLaunch&)>& planned = {}) {
   SCOPED_TRACE(name_of(c));
   const int w_rows = c.epilogue == GemvEpilogue::GatedSilu ? 2 * c.out_rows : c.out_rows;
   const int x_stride = c.cols + 4, y_stride = c.out_rows + c.y_pad;
@@ -126,7 +129,9 @@ std::vector<float> run_case(const GemvCase& c, uint32_t seed) {
     a.gather.last_token = dlast.get();
     a.gather.rows_out = dx.get();
   }
-  kernels::plan_gemv(a).launch(nullptr, false);
+  const kernels::KernelLaunch plan = kernels::plan_gemv(a);
+  if (planned) planned(plan);
+  plan.launch(nullptr, false);
   M3_CUDA_CHECK(cudaDeviceSynchronize());
   const std::vector<float> got = dy.download();
   if (c.gather) {  // the gathered rows, exactly, with the padding columns untouched
@@ -288,6 +293,33 @@ TEST(GemvKernel, RejectsAGatherWithoutWhatItNeeds) {
   a.gather.last_token = ids.get();
   a.gather.rows_out = buf.get() + 1;
   expect_refused("rows_out not 16-byte aligned");
+}
+
+// A kernel's dynamic shared-memory limit is the kernel's, not the plan's: planning a
+// smaller problem of the same row-block kernel (same batch tile and cluster; 128 columns
+// hold fewer weight blocks in shared memory than 1792) after a larger one leaves the
+// larger plan launchable and right.
+TEST(GemvKernel, ASmallerPlanOfTheSameKernelLeavesALargerOneLaunchable) {
+  M3_REQUIRE_CUDA_DEVICE();
+  setenv("M3_GEMV_KS", "2", 1);
+  setenv("M3_GEMV_BT", "64", 1);
+  DeviceArray<uint16_t> w(4 * 128);
+  DeviceArray<float> xy(64 * 128);
+  kernels::GemvArgs smaller = small_problem(xy.get(), 128);
+  smaller.weight = w.get();
+  smaller.type = WeightType::BF16;
+  smaller.batch = 64;
+  smaller.y_stride = 4;
+  smaller.norm_weight = xy.get();  // as the larger one
+  size_t small_smem = 0, large_smem = 0;
+  run_case({130, 1792, 64, GemvEpilogue::Store, true, WeightType::BF16}, 4000, [&](const kernels::KernelLaunch& l) {
+    large_smem = l.dynamic_smem();
+    small_smem = kernels::plan_gemv(smaller).dynamic_smem();
+  });
+  unsetenv("M3_GEMV_KS");
+  unsetenv("M3_GEMV_BT");
+  EXPECT_GT(small_smem, 48u * 1024) << "the smaller plan does not raise the limit at all";
+  EXPECT_GT(large_smem, small_smem) << "the two plans need the same shared memory";
 }
 
 TEST(GemvKernel, RejectsRowsPerWarpItHasNoKernelFor) {
