@@ -22,8 +22,8 @@ bool cluster_launch_supported();
 // Lets `kernel` take `bytes` of dynamic shared memory (above the default 48 KB). The limit
 // belongs to the kernel, not to one launch, so it is only ever raised: lowering it for a
 // smaller plan made an earlier, larger plan of the same kernel fail at launch with
-// cudaErrorInvalidValue (seen on branch experiment/persistent-step, PERFORMANCE_NOTES.md
-// run 143).
+// cudaErrorInvalidValue (seen on branch experiment/persistent-step-v3,
+// PERFORMANCE_NOTES.md run 143).
 void allow_dynamic_smem(const void* kernel, size_t bytes);
 
 // An integer environment switch for A/B measurements, or `fallback` when unset.

@@ -219,18 +219,6 @@ TEST_F(CudaEngineTest, SplitBucketsMatchCpuEngine) {
   }
 }
 
-// Sets an environment switch while it lives (the engine reads its switches when built).
-class ScopedEnv {
- public:
-  ScopedEnv(const char* name, const char* value) : name_(name) { setenv(name, value, 1); }
-  ~ScopedEnv() { unsetenv(name_); }
-  ScopedEnv(const ScopedEnv&) = delete;
-  ScopedEnv& operator=(const ScopedEnv&) = delete;
-
- private:
-  const char* name_;
-};
-
 // Slot 2 decodes alone (greedy, then sampled) in both engines; logits within `tol` of the
 // CPU engine's until the ids part (bf16 trajectories may). Returns every step's logits.
 std::vector<float> decode_alone_against_cpu(Engine& gpu, Engine& cpu, int V, double tol) {
@@ -302,7 +290,7 @@ TEST_F(CudaEngineTest, SmallBucketVariantsAreMeasuredAtLoadAndAllMatchCpuEngine)
           if (*fused == '0' && *cluster == '4') continue;  // no clusters without the fused out_proj
           SCOPED_TRACE(std::string("out_proj fused ") + fused + ", embedding gathered " + gathered +
                        ", gemv rows a warp " + rows_per_warp + ", clusters of " + cluster);
-          ScopedEnv f("M3_CUDA_FUSED_OUT_PROJ", fused), g("M3_CUDA_FUSED_EMBEDDING", gathered),
+          testing::ScopedEnv f("M3_CUDA_FUSED_OUT_PROJ", fused), g("M3_CUDA_FUSED_EMBEDDING", gathered),
               r("M3_GEMV_SMALL_RPW", rows_per_warp), k("M3_MIMO_TC_FUSED_CLUSTER", cluster);
           auto gpu = cuda(3, WeightDType::BF16);
           auto* impl = dynamic_cast<cuda::CudaEngine*>(gpu.get());

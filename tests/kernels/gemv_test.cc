@@ -202,14 +202,11 @@ TEST(GemvKernel, RowBlockPathMatchesTwin) {
   struct Forced { const char* ks; const char* bt; };
   for (Forced f : {Forced{"2", "64"}, Forced{"2", "8"}, Forced{"4", "16"}, Forced{"8", "32"}, Forced{"8", "64"}}) {
     SCOPED_TRACE(std::string("M3_GEMV_KS=") + f.ks + " M3_GEMV_BT=" + f.bt);
-    setenv("M3_GEMV_KS", f.ks, 1);
-    setenv("M3_GEMV_BT", f.bt, 1);
+    testing::ScopedEnv ks("M3_GEMV_KS", f.ks), bt("M3_GEMV_BT", f.bt);
     run_case({300, 896, 40, GemvEpilogue::Store, true, WeightType::BF16}, seed++);
     run_case({130, 1792, 64, GemvEpilogue::Accumulate, false, WeightType::BF16}, seed++);
     run_case({70, 1024, 17, GemvEpilogue::GatedSilu, true, WeightType::BF16}, seed++);
   }
-  unsetenv("M3_GEMV_KS");
-  unsetenv("M3_GEMV_BT");
 }
 
 // The step's first projection gathers its input rows from the embedding table: every
@@ -234,9 +231,8 @@ TEST(GemvKernel, GatheredInputMatchesTwin) {
     run_case({301, 904, 1, GemvEpilogue::Accumulate, false, WeightType::BF16, 3, false, rpw}, seed++);
     run_case({129, 136, 1, GemvEpilogue::GatedSilu, true, WeightType::F32, 3, false, rpw}, seed++);
   }
-  setenv("M3_GEMV_KS", "2", 1);  // 14 column blocks a slice: the row-block kernel stages two chunks
+  testing::ScopedEnv ks("M3_GEMV_KS", "2");  // 14 column blocks a slice: the row-block kernel stages two chunks
   run_case({300, 896, 40, GemvEpilogue::Store, true, WeightType::BF16, 3, true}, seed++);
-  unsetenv("M3_GEMV_KS");
 }
 
 TEST(GemvKernel, RowBlockPathIsDeterministic) {
@@ -301,8 +297,7 @@ TEST(GemvKernel, RejectsAGatherWithoutWhatItNeeds) {
 // larger plan launchable and right.
 TEST(GemvKernel, ASmallerPlanOfTheSameKernelLeavesALargerOneLaunchable) {
   M3_REQUIRE_CUDA_DEVICE();
-  setenv("M3_GEMV_KS", "2", 1);
-  setenv("M3_GEMV_BT", "64", 1);
+  testing::ScopedEnv ks("M3_GEMV_KS", "2"), bt("M3_GEMV_BT", "64");
   DeviceArray<uint16_t> w(4 * 128);
   DeviceArray<float> xy(64 * 128);
   kernels::GemvArgs smaller = small_problem(xy.get(), 128);
@@ -316,8 +311,6 @@ TEST(GemvKernel, ASmallerPlanOfTheSameKernelLeavesALargerOneLaunchable) {
     large_smem = l.dynamic_smem();
     small_smem = kernels::plan_gemv(smaller).dynamic_smem();
   });
-  unsetenv("M3_GEMV_KS");
-  unsetenv("M3_GEMV_BT");
   EXPECT_GT(small_smem, 48u * 1024) << "the smaller plan does not raise the limit at all";
   EXPECT_GT(large_smem, small_smem) << "the two plans need the same shared memory";
 }
