@@ -111,6 +111,9 @@ __device__ __forceinline__ void mimo_step_tc_body(const TcParams& prm) {
   constexpr int kRJ = (R + kT / 64 - 1) / (kT / 64);
   constexpr int kEI = (R * 64 + kT - 1) / kT;  // epilogue parameters per array per thread
   constexpr int kBI = (R * 128 + kT - 1) / kT; // in_proj B (and C) values per thread
+  // Output: LR adjacent lanes per row (of up to 64), each taking RL of its ranks; R lanes
+  // where the block has a thread for every (row, rank) pair, else one.
+  constexpr int LR = kT >= 64 * R ? R : 1, RL = R / LR;
   const MimoStepArgs& a = prm.a;
   const int P = a.headdim, N = a.d_state, S = a.n_angles;
   const int tid = threadIdx.x;
@@ -229,9 +232,11 @@ __device__ __forceinline__ void mimo_step_tc_body(const TcParams& prm) {
     x0 = w[a.off_x + h * P + p0 + g];
     x1 = w[a.off_x + h * P + p0 + g + 8];
   }
-  if (tid < PR) {
-    e_x = w[a.off_x + h * P + p_base + tid];
-    e_z = w[a.off_z + h * P + p_base + tid];
+  const int e_row = tid / LR, e_rank0 = (tid % LR) * RL;  // output: row and first rank
+  const bool emits = e_row < PR;
+  if (emits) {
+    e_x = w[a.off_x + h * P + p_base + e_row];
+    e_z = w[a.off_z + h * P + p_base + e_row];
   }
   float rb[kBI], rc[kBI];
 #pragma unroll
@@ -371,55 +376,70 @@ __device__ __forceinline__ void mimo_step_tc_body(const TcParams& prm) {
   if (prm.trigger_point == 0) allow_next_kernel();
   __syncthreads();
 
-  // Output, thread tid < PR for row p = p_base + tid: D skip, optional grouped norm (over
-  // the head's rows, in however many blocks), gate, mimo_o reduction.
-  const int p = p_base + tid;
-  float y[R];
-  if (tid < PR) {
+  // Output, row e_row at ranks e_rank0 .. + RL - 1 (a row's LR lanes summed by shuffles
+  // at the end): D skip, optional grouped norm (over the head's rows, in however many
+  // blocks), gate, mimo_o reduction. With one thread doing all R ranks of a row this was a
+  // chain of R x CS shared-memory loads and R gates (spread: batch 1 120.4 -> 119.0 us a
+  // step, batch 2 and 4 -1%; H200, PERFORMANCE_NOTES.md run 165).
+  const int p = p_base + e_row;
+  float y[RL];
 #pragma unroll
-    for (int r = 0; r < R; ++r) {
+  for (int j = 0; j < RL; ++j) {
+    const int r = e_rank0 + j;
+    y[j] = 0.f;
+    if (emits) {
       float v = Dh * (e_x * mxs[r * P + p]);
 #pragma unroll
-      for (int c = 0; c < CS; ++c) v += ys[(c * R + r) * PR + tid];
-      y[r] = v;
+      for (int c = 0; c < CS; ++c) v += ys[(c * R + r) * PR + e_row];
+      y[j] = v;
     }
   }
   if (a.out_norm != nullptr) {  // sums of y^2 over the head's rows
-    if (warp < (PR + 31) / 32) {  // over this block's rows, a warp's at a time
+    const int emit_warps = (PR * LR + 31) / 32;
 #pragma unroll
-      for (int r = 0; r < R; ++r) {
-        const float ss = warp_sum(tid < PR ? y[r] * y[r] : 0.f);
-        if (lane == 0) red[warp * R + r] = ss;
-      }
+    for (int j = 0; j < RL; ++j) {  // over the warp's rows: lanes of the same ranks
+      float ss = y[j] * y[j];
+#pragma unroll
+      for (int off = LR; off < 32; off <<= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
+      if (lane < LR && warp < emit_warps) red[warp * R + lane * RL + j] = ss;
     }
-    if constexpr (kFused) {  // the head's p_blocks blocks (one warp each) are in this cluster
+    if constexpr (kFused) {  // the head's p_blocks blocks are in this cluster
       cluster_arrive_release<CL>();
       cluster_wait_acquire<CL>();
     } else {
       __syncthreads();
     }
-    if (tid < PR) {
+    if (emits) {
 #pragma unroll
-      for (int r = 0; r < R; ++r) {
+      for (int j = 0; j < RL; ++j) {
+        const int r = e_rank0 + j;
         float ss = 0.f;
         if constexpr (kFused) {  // the same order in every block of the head
-          for (int j = 0; j < prm.p_blocks; ++j) ss += map_cluster_rank<CL>(red, rank - pb + j)[r];
+          for (int k = 0; k < prm.p_blocks; ++k) {
+            const float* rk = map_cluster_rank<CL>(red, rank - pb + k);
+            for (int wi = 0; wi < emit_warps; ++wi) ss += rk[wi * R + r];
+          }
         } else {
-          for (int wi = 0; wi < (P + 31) / 32; ++wi) ss += red[wi * R + r];
+          for (int wi = 0; wi < emit_warps; ++wi) ss += red[wi * R + r];
         }
-        y[r] *= rsqrtf(ss / P + a.norm_eps) * ons[p];
+        y[j] *= rsqrtf(ss / P + a.norm_eps) * ons[p];
       }
     }
   }
-  if (tid < PR) {
-    float out = 0.f;
+  float out = 0.f;
+  if (emits) {
 #pragma unroll
-    for (int r = 0; r < R; ++r) {
+    for (int j = 0; j < RL; ++j) {
+      const int r = e_rank0 + j;
       const float zv = e_z * mzs[r * P + p];
-      out += y[r] * (zv * __frcp_rn(1.f + __expf(-zv))) * mos[r * P + p];
+      out += y[j] * (zv * __frcp_rn(1.f + __expf(-zv))) * mos[r * P + p];
     }
+  }
+#pragma unroll
+  for (int off = 1; off < LR; off <<= 1) out += __shfl_xor_sync(0xffffffffu, out, off);
+  if (emits && e_rank0 == 0) {
     if constexpr (kFused) {
-      sm[L.os + tid] = out;
+      sm[L.os + e_row] = out;
     } else {
       a.o[(int64_t)b * a.o_stride + h * P + p] = out;
     }
