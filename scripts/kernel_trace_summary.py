@@ -1,11 +1,12 @@
 #!/usr/bin/env python3
 """Per-layer kernel times inside m3bench's decode graph, from m3_kernel_trace's CSV.
 
-Usage: kernel_trace_summary.py TRACE.csv[.gz] [--kernels N] [--layer-kernels K]
+Usage: kernel_trace_summary.py TRACE.csv[.gz] [--chains C] [--layer-kernels K]
 
-Groups the graph's kernel records into replays of N kernels (default: the length of the
-first replay, i.e. the kernels between two sampling kernels), drops the first quarter as
-warm-up, and prints per kernel position the median start, end and duration relative to
+Keeps the records of the last CUDA graph replayed (the bucket's own: the engine's
+load-time measurement of step variants replays other graphs first, and m3bench's direct
+launches after it carry no graph id), groups them into replays (each ends with its
+chains' sampling kernels; --chains for split buckets), drops the first quarter as warm-up, and prints per kernel position the median start, end and duration relative to
 the replay's first kernel, and the time from the previous kernel's end to this one's end
 (with programmatic dependent launch a kernel starts before its predecessor ends, so that
 increment, not the duration, is what the kernel adds to the step). Last, the mean increment
@@ -41,7 +42,7 @@ def layer_period(replay, head):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     ap.add_argument('trace')
-    ap.add_argument('--kernels', type=int, default=0, help='kernels per replay (default: detected)')
+    ap.add_argument('--chains', type=int, default=1, help='chains side by side (sampling kernels a replay)')
     ap.add_argument('--layer-kernels', type=int, default=0, help='kernels per layer (default: detected)')
     args = ap.parse_args()
     opener = gzip.open if args.trace.endswith('.gz') else open
@@ -50,19 +51,26 @@ def main():
     if not rows:
         raise SystemExit(f'{args.trace}: no kernel records from a CUDA graph')
     rows.sort(key=lambda r: int(r['start_ns']))
-    per = args.kernels
-    if per <= 0:
-        ends = [i for i, r in enumerate(rows) if 'sampling' in r['name']]
-        if len(ends) < 2:
-            raise SystemExit('cannot detect the replay length; pass --kernels')
-        per = ends[1] - ends[0]
-    replays = [rows[i:i + per] for i in range(0, len(rows) - per + 1, per)]
+    last_graph = rows[-1]['graph']
+    rows = [r for r in rows if r['graph'] == last_graph]
+    replays, current, seen = [], [], 0
+    for r in rows:
+        current.append(r)
+        if 'sampling' in r['name']:
+            seen += 1
+            if seen == args.chains:
+                replays.append(current)
+                current, seen = [], 0
+    if len(replays) < 2:
+        raise SystemExit('fewer than two replays found (wrong --chains?)')
+    per = len(replays[0])
+    replays = [rep for rep in replays if len(rep) == per]
     replays = replays[len(replays) // 4:]
 
     def at(rep, i, key):
         return (int(rep[i][key]) - int(rep[0]['start_ns'])) / 1e3
 
-    step = statistics.median(at(r, per - 1, 'end_ns') for r in replays)
+    step = statistics.median(max(at(r, i, 'end_ns') for i in range(per)) for r in replays)
     print(f'{len(replays)} replays of {per} kernels, step {step:.2f} us (median; tracing adds a few us)')
     print(f'{"pos":>3} {"kernel":<14} {"grid":>9} {"start":>8} {"end":>8} {"dur":>7} {"end-prev end":>13}')
     increments = []
