@@ -271,7 +271,10 @@ KernelLaunch plan_tile(const GemvArgs& a, int tile) {
       }
       return one;
     }
-    case 2: return plan_variant<W, 2, 1, E, G>(a);
+    // Four rows a warp: fewer, larger blocks than the tensor-core kernels', which leave
+    // room beside them for the fused recurrence's (H200, batch 2 with out_proj fused: 164
+    // -> 159-160 us a step, PERFORMANCE_NOTES.md runs 173-174; the engine measures it).
+    case 2: return a.rows_per_warp == 4 ? plan_variant<W, 2, 4, E, G>(a) : plan_variant<W, 2, 1, E, G>(a);
     case 4: return plan_variant<W, 4, 2, E, G>(a);
     default: return plan_variant<W, 8, 4, E, G>(a);
   }
@@ -317,6 +320,7 @@ KernelLaunch plan_gemv(const GemvArgs& a) {
     throw std::invalid_argument(shape + ": gathering its input needs the Store epilogue, a table of at least one "
                                         "row, the slots, tokens and last tokens, and a 16-byte aligned rows_out");
   }
+  // (Batch 2 with four rows a warp asks for CUDA cores: gemv_mma_applies says no.)
   if (gemv_mma_applies(a) && use_tensor_cores()) return plan_gemv_mma(a);
   // The largest power of two <= batch (at most 8) whose x tile fits in shared memory.
   int tile = 8;

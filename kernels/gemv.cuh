@@ -49,8 +49,9 @@ struct GemvArgs {
   // the GPU).
   bool beside_other_chains = false;
   GemvGather gather;
-  // Batch 1 on CUDA cores: output rows a warp computes (1, 2 or 4); 0: the planner's
-  // default (2, or M3_GEMV_SMALL_RPW).
+  // Output rows a warp computes on CUDA cores: at batch 1, 1, 2 or 4 (0: the planner's
+  // default, 2, or M3_GEMV_SMALL_RPW); at batch 2, 4 asks for the CUDA-core kernel with
+  // four rows a warp instead of tensor cores (other values: the planner's choice).
   int rows_per_warp = 0;
 };
 

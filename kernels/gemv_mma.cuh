@@ -6,6 +6,8 @@
 
 namespace m3::kernels {
 
+// Whether plan_gemv takes this path for `args` (bf16, batch >= 2, cols % 32 == 0, the
+// staged tile fitting in shared memory, and not CUDA cores asked for by rows_per_warp).
 bool gemv_mma_applies(const GemvArgs& args);
 KernelLaunch plan_gemv_mma(const GemvArgs& args);
 

@@ -270,12 +270,13 @@ DecodeGraph CudaEngine::plan_step(int batch, StepVariant variant) const {
       m.tensor_cores = weights_.type == kernels::WeightType::BF16 && mimo_tc_min_batch_ > 0 &&
                        rows >= mimo_tc_min_batch_ && kernels::mimo_step_tc_applies(m);
       bool out_proj_fused = false;
-      // Where the variant asks for it, at batch 1 (tensor-core recurrence) or 1-2 (CUDA-core):
-      // beyond, measured on the H200 (PERFORMANCE_NOTES.md runs 104-115), it only lost
-      // (tensor cores: batch 2 163 -> 169-173 us a step, batch 8 219 -> 403; every (16 rows,
-      // sequence) block holds its out_proj columns in registers, and beside 224 such blocks
-      // the next in_proj's cannot start early; CUDA cores: the atomics grow with the batch).
-      // At batch 1 whether it wins depends on the GPU: measured at load (cuda_engine_tuning.cu).
+      // Where the variant asks for it, at batch 1-2: beyond, measured on the H200
+      // (PERFORMANCE_NOTES.md runs 104-115), it only lost (tensor cores: batch 8 219 -> 403 us
+      // a step; every (16 rows, sequence) block holds its out_proj columns in registers, and
+      // beside them the next in_proj's blocks cannot start early; CUDA cores: the atomics
+      // grow with the batch). At batch 2 it wins only beside CUDA-core gemvs of four rows a
+      // warp (runs 173-174: 159-160 against 164-167 us; beside the tensor-core gemvs 162-166). Whether it wins
+      // depends on the GPU: measured at load (cuda_engine_tuning.cu).
       if (variant.out_proj_fused && rows <= (m.tensor_cores ? tc_fuse_max_batch_ : 2)) {
         m.out_proj = lw.out_proj;
         m.out_proj_type = weights_.type;

@@ -39,7 +39,9 @@ std::string to_string(const StepVariant& v) {
 // Every combination the switches leave open (-1: both ways; 0 / 1: that way only), and at
 // batch 1 two or four rows a warp for the CUDA-core gemvs (four halves in_proj's blocks,
 // so the fused recurrence's fit beside them: run 131, 145 -> 125 us on a machine where
-// the fused step had lost), and clusters of 4 or 8 blocks for the fused out_proj's sums
+// the fused step had lost), at batch 2 the tensor-core gemvs or the CUDA-core ones with
+// four rows a warp (the same reason: run 173, 164 -> 160 us with out_proj fused), and
+// clusters of 4 or 8 blocks for the fused out_proj's sums
 // (run 133: 4 wins beside four rows a warp, 120.5 against 124.8 us; run 115: 8 wins beside
 // two, 115.9 against 120.3). Out of the tuned buckets: out_proj fused where the planner
 // allows it (the recurrence decides, see plan_step), the embedding gathered.
@@ -51,6 +53,9 @@ std::vector<StepVariant> CudaEngine::step_variant_candidates(int batch) const {
   };
   std::vector<int> rows_per_warp = {0};
   if (batch == 1) rows_per_warp = gemv_rows_per_warp_ > 0 ? std::vector<int>{gemv_rows_per_warp_} : std::vector<int>{2, 4};
+  // Batch 2: the tensor-core gemvs (0) or the CUDA-core kernel with four rows a warp.
+  if (batch == 2) rows_per_warp = gemv_rows_per_warp_ > 0 ? std::vector<int>{gemv_rows_per_warp_ == 4 ? 4 : 0}
+                                                          : std::vector<int>{0, 4};
   std::vector<StepVariant> out;
   for (bool fused : ways(out_proj_fusion_)) {
     std::vector<int> clusters = {0};

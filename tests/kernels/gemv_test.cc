@@ -69,6 +69,7 @@ std::vector<float> run_case(const GemvCase& c, uint32_t seed,
   probe.type = c.type;
   probe.cols = c.cols;
   probe.batch = c.batch;
+  probe.rows_per_warp = c.rows_per_warp;
   // The tensor-core path rounds x (times the norm weight) to bf16; the twin does too.
   const bool x_in_bf16 = kernels::gemv_mma_applies(probe);
 
@@ -233,6 +234,32 @@ TEST(GemvKernel, GatheredInputMatchesTwin) {
   }
   testing::ScopedEnv ks("M3_GEMV_KS", "2");  // 14 column blocks a slice: the row-block kernel stages two chunks
   run_case({300, 896, 40, GemvEpilogue::Store, true, WeightType::BF16, 3, true}, seed++);
+}
+
+// Batch 2 with four rows a warp on CUDA cores (a step variant the engine measures beside
+// the fused recurrence): bf16 asks for it instead of tensor cores; every epilogue, the
+// norm, the gathered input; the plan is the CUDA-core kernel with one block per 32 rows.
+TEST(GemvKernel, BatchTwoWithFourRowsAWarpMatchesTwin) {
+  M3_REQUIRE_CUDA_DEVICE();
+  uint32_t seed = 3500;
+  for (WeightType type : {WeightType::BF16, WeightType::F32}) {
+    for (const GemvCase& c : {GemvCase{4724, 896, 2, GemvEpilogue::Store, true, type, 3, true, 4},
+                              GemvCase{301, 904, 2, GemvEpilogue::Accumulate, false, type, 3, false, 4},
+                              GemvCase{129, 136, 2, GemvEpilogue::GatedSilu, true, type, 3, false, 4},
+                              GemvCase{37, 200, 2, GemvEpilogue::Store, true, type, 3, false, 4}}) {
+      kernels::GemvArgs probe;
+      probe.type = type;
+      probe.cols = c.cols;
+      probe.batch = 2;
+      probe.rows_per_warp = 4;
+      EXPECT_FALSE(kernels::gemv_mma_applies(probe));
+      run_case(c, seed++, [&](const kernels::KernelLaunch& l) {
+        EXPECT_EQ(l.name(), "gemv") << "not the CUDA-core kernel";
+        EXPECT_EQ(l.grid().x, 1u);
+        EXPECT_EQ(l.grid().y, static_cast<unsigned>((c.out_rows + 31) / 32)) << "not four rows a warp";
+      });
+    }
+  }
 }
 
 TEST(GemvKernel, RowBlockPathIsDeterministic) {
