@@ -275,8 +275,9 @@ DecodeGraph CudaEngine::plan_step(int batch, StepVariant variant) const {
       // a step; every (16 rows, sequence) block holds its out_proj columns in registers, and
       // beside them the next in_proj's blocks cannot start early; CUDA cores: the atomics
       // grow with the batch). At batch 2 it wins only beside CUDA-core gemvs of four rows a
-      // warp (runs 173-174: 159-160 against 164-167 us; beside the tensor-core gemvs 162-166). Whether it wins
-      // depends on the GPU: measured at load (cuda_engine_tuning.cu).
+      // warp (runs 173-174: 159-160 against 164-167 us; beside the tensor-core gemvs
+      // 162-166). Whether it wins depends on the GPU: measured at load
+      // (cuda_engine_tuning.cu).
       if (variant.out_proj_fused && rows <= (m.tensor_cores ? tc_fuse_max_batch_ : 2)) {
         m.out_proj = lw.out_proj;
         m.out_proj_type = weights_.type;
