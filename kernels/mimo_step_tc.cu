@@ -379,8 +379,8 @@ __device__ __forceinline__ void mimo_step_tc_body(const TcParams& prm) {
   // Output, row e_row at ranks e_rank0 .. + RL - 1 (a row's LR lanes summed by shuffles
   // at the end): D skip, optional grouped norm (over the head's rows, in however many
   // blocks), gate, mimo_o reduction. With one thread doing all R ranks of a row this was a
-  // chain of R x CS shared-memory loads and R gates (spread: batch 1 120.4 -> 119.0 us a
-  // step, batch 2 and 4 -1%; H200, PERFORMANCE_NOTES.md run 165).
+  // chain of R x CS shared-memory loads and R gates (spread: batch 1 123.0 -> 121.9 us a
+  // step, batch 8 216.8 -> 214.5; H200, PERFORMANCE_NOTES.md run 166).
   const int p = p_base + e_row;
   float y[RL];
 #pragma unroll

@@ -116,7 +116,9 @@ class CudaEngine final : public Engine {
   // (M3_CUDA_FUSED_OUT_PROJ / M3_CUDA_FUSED_EMBEDDING; `deterministic` keeps out_proj out).
   int out_proj_fusion_ = -1;
   int embedding_gather_ = -1;
-  int gemv_rows_per_warp_ = 0;  // CUDA-core gemv rows a warp at batch 1-2: 0 measured, else fixed (M3_GEMV_SMALL_RPW)
+  // CUDA-core gemv rows a warp at batch 1 (2 or 4) and 2 (0: tensor cores, or 4): 0
+  // measured, else fixed (M3_GEMV_SMALL_RPW; at batch 2, 4 -> 4 and 1 or 2 -> 0).
+  int gemv_rows_per_warp_ = 0;
   int fused_cluster_ = 0;       // fused out_proj: 0 measured (4 or 8), else fixed (M3_MIMO_TC_FUSED_CLUSTER)
   int mimo_tc_min_batch_ = 1;  // bf16: tensor-core recurrence from this batch (M3_MIMO_TC_MIN_BATCH)
   int tc_fuse_max_batch_ = 2;  // ... with out_proj fused up to this batch (M3_MIMO_TC_FUSE_MAX_BATCH)
