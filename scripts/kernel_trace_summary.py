@@ -6,7 +6,8 @@ Usage: kernel_trace_summary.py TRACE.csv[.gz] [--chains C] [--layer-kernels K]
 Keeps the records of the last CUDA graph replayed (the bucket's own: the engine's
 load-time measurement of step variants replays other graphs first, and m3bench's direct
 launches after it carry no graph id), groups them into replays (each ends with its
-chains' sampling kernels; --chains for split buckets), drops the first quarter as warm-up, and prints per kernel position the median start, end and duration relative to
+chains' sampling kernels; --chains for split buckets), drops the first quarter as
+warm-up, and prints per kernel position the median start, end and duration relative to
 the replay's first kernel, and the time from the previous kernel's end to this one's end
 (with programmatic dependent launch a kernel starts before its predecessor ends, so that
 increment, not the duration, is what the kernel adds to the step). Last, the mean increment

@@ -12,7 +12,7 @@ INCREMENTS_US = [2.5, 4.75, 1.75]                        # end-to-end time each 
 
 
 def write_trace(path, replays, layers=14, graph=7, no_graph_replays=2, kinds=KINDS, increments=INCREMENTS_US,
-                embedding=True):
+                embedding=True, t0=1_000_000_000, append=False):
     """Replays of embedding (if `embedding`), `layers` x `kinds` (in_proj, recurrence,
     out_proj), lm_head, sampling. Each kernel starts 3 us before its predecessor ends (early
     launch) and ends the given increment after it. In_proj and out_proj differ by their grids."""
@@ -20,9 +20,10 @@ def write_trace(path, replays, layers=14, graph=7, no_graph_replays=2, kinds=KIN
     names = head + list(kinds) * layers + ['gemv_kernel', 'sampling_kernel']
     grids = [4] * len(head) + [296 if i == 0 else 56 for i in range(len(kinds))] * layers + [256, 1]
     incs = [1.5] * len(head) + list(increments) * layers + [2.0, 2.5]
-    with open(path, 'w') as f:
-        f.write('start_ns,end_ns,grid_x,grid_y,block_x,graph,name\n')
-        t = 1_000_000_000
+    with open(path, 'a' if append else 'w') as f:
+        if not append:
+            f.write('start_ns,end_ns,grid_x,grid_y,block_x,graph,name\n')
+        t = t0
         for r in range(replays + no_graph_replays):
             g = graph if r >= no_graph_replays else 0
             prev_end = t
@@ -73,6 +74,19 @@ class KernelTraceSummaryTest(unittest.TestCase):
             tail = out.stdout.split('per layer (middle layers), end-to-end increment:')[1].split('\n')
             got = [float(line.split(':')[1].split()[0]) for line in tail if ':' in line]
             self.assertEqual(got, [2.9, 4.6])
+
+    def test_reads_the_last_graph_only(self):  # the load-time candidates' replays come first
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, 'trace.csv')
+            write_trace(path, replays=12, graph=3, kinds=KINDS[:2], increments=[2.9, 4.6])
+            write_trace(path, replays=8, t0=2_000_000_000, append=True)
+            out = self.run_script(path)
+            self.assertEqual(out.returncode, 0, out.stderr)
+            step = 1.5 + 14 * sum(INCREMENTS_US) + 2.0 + 2.5
+            self.assertIn(f'6 replays of 45 kernels, step {step:.2f} us', out.stdout)
+            tail = out.stdout.split('per layer (middle layers), end-to-end increment:')[1].split('\n')
+            got = [float(line.split(':')[1].split()[0]) for line in tail if ':' in line]
+            self.assertEqual(got, INCREMENTS_US)
 
     def test_refuses_a_trace_without_graph_records(self):
         with tempfile.TemporaryDirectory() as d:
