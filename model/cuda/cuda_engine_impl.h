@@ -25,7 +25,7 @@ namespace m3::cuda {
 struct StepVariant {
   bool out_proj_fused = false;      // out_proj inside the recurrence, added by atomics
   bool embedding_gathered = false;  // the first in_proj reads the embedding rows itself
-  int gemv_rows_per_warp = 0;       // batch 1: rows a warp of the CUDA-core gemvs takes (0: n/a)
+  int gemv_rows_per_warp = 0;       // CUDA-core gemvs' rows a warp (batch 1; batch 2: 0 = tensor cores)
   int fused_cluster = 0;            // out_proj fused on tensor cores: blocks a cluster sums (0: n/a)
   bool operator==(const StepVariant&) const = default;
 };

@@ -347,8 +347,8 @@ TEST_F(CudaEngineTest, SmallBucketVariantsAreMeasuredAtLoadAndAllMatchCpuEngine)
 }
 
 // EngineOptions::deterministic keeps atomics out of the step (out_proj is not fused at
-// batch 1, bf16 or fp32), so a sequence decoded again from reset, sampled, gets the same
-// logits bit for bit.
+// batch 1 or 2, bf16 or fp32), so a sequence decoded again from reset, sampled, gets the
+// same logits bit for bit.
 TEST_F(CudaEngineTest, DeterministicStepsRepeatBitForBit) {
   M3_REQUIRE_CUDA_DEVICE();
   ModelConfig c = testing::small_config();
@@ -364,6 +364,7 @@ TEST_F(CudaEngineTest, DeterministicStepsRepeatBitForBit) {
     auto* impl = dynamic_cast<cuda::CudaEngine*>(e.get());
     ASSERT_NE(impl, nullptr);
     ASSERT_FALSE(impl->step_variant(1).out_proj_fused);
+    ASSERT_FALSE(impl->step_variant(2).out_proj_fused);
     auto run = [&] {
       e->reset(1);
       e->set_sampling(1, SamplingParams{0.9f, 20, 0.95f, 3});
