@@ -219,34 +219,13 @@ TEST_F(CudaEngineTest, SplitBucketsMatchCpuEngine) {
   }
 }
 
-// Slot 2 decodes alone (greedy, then sampled) in both engines; logits within `tol` of the
+// The sequences of `slots` side by side (the prompt {5, 17, 100} plus each one's index,
+// then continue tokens; greedy, then sampled) in both engines; logits within `tol` of the
 // CPU engine's until the ids part (bf16 trajectories may). Returns every step's logits.
-std::vector<float> decode_alone_against_cpu(Engine& gpu, Engine& cpu, int V, double tol) {
+std::vector<float> decode_against_cpu(Engine& gpu, Engine& cpu, int V, double tol,
+                                      const std::vector<int32_t>& slots) {
+  const size_t n = slots.size();
   std::vector<float> all;
-  for (const SamplingParams& sp : {SamplingParams{0.f, 0, 1.f, 0}, SamplingParams{0.9f, 20, 0.95f, 5}}) {
-    gpu.reset(2);
-    cpu.reset(2);
-    gpu.set_sampling(2, sp);
-    cpu.set_sampling(2, sp);
-    const std::vector<int32_t> prompt = {5, 17, 100};
-    std::vector<int32_t> g_id(1), c_id(1);
-    std::vector<float> g_logits(V), c_logits(V);
-    for (int t = 0; t < 16; ++t) {
-      const std::vector<int32_t> token = {t < 3 ? prompt[t] : kContinueToken};
-      gpu.step(std::vector<int32_t>{2}, token, g_id, g_logits);
-      cpu.step(std::vector<int32_t>{2}, token, c_id, c_logits);
-      all.insert(all.end(), g_logits.begin(), g_logits.end());
-      EXPECT_LT(rel_err(g_logits, c_logits), tol) << "step " << t << ", temperature " << sp.temperature;
-      if (g_id != c_id) break;
-    }
-  }
-  return all;
-}
-
-// Two sequences side by side (slots 2 and 0; greedy, then sampled), logits against the
-// CPU engine's at every step while the ids agree.
-void decode_pair_against_cpu(Engine& gpu, Engine& cpu, int V, double tol) {
-  const std::vector<int32_t> slots = {2, 0};
   for (const SamplingParams& sp : {SamplingParams{0.f, 0, 1.f, 0}, SamplingParams{0.9f, 20, 0.95f, 5}}) {
     for (int32_t s : slots) {
       gpu.reset(s);
@@ -254,16 +233,20 @@ void decode_pair_against_cpu(Engine& gpu, Engine& cpu, int V, double tol) {
       gpu.set_sampling(s, sp);
       cpu.set_sampling(s, sp);
     }
-    std::vector<int32_t> g_ids(2), c_ids(2);
-    std::vector<float> g_logits(2 * V), c_logits(2 * V);
-    for (int t = 0; t < 12; ++t) {
-      const std::vector<int32_t> tokens = {t < 3 ? 5 + 40 * t : kContinueToken, t < 1 ? 9 : kContinueToken};
+    const std::vector<int32_t> prompt = {5, 17, 100};
+    std::vector<int32_t> g_ids(n), c_ids(n);
+    std::vector<float> g_logits(n * V), c_logits(n * V);
+    for (int t = 0; t < 16; ++t) {
+      std::vector<int32_t> tokens(n);
+      for (size_t i = 0; i < n; ++i) tokens[i] = t < 3 ? prompt[t] + static_cast<int32_t>(i) : kContinueToken;
       gpu.step(slots, tokens, g_ids, g_logits);
       cpu.step(slots, tokens, c_ids, c_logits);
+      all.insert(all.end(), g_logits.begin(), g_logits.end());
       EXPECT_LT(rel_err(g_logits, c_logits), tol) << "step " << t << ", temperature " << sp.temperature;
       if (g_ids != c_ids) break;
     }
   }
+  return all;
 }
 
 // The small buckets' step has variants (out_proj inside the recurrence or not, summed
@@ -335,8 +318,8 @@ TEST_F(CudaEngineTest, SmallBucketVariantsAreMeasuredAtLoadAndAllMatchCpuEngine)
           EXPECT_EQ(impl->step_variant(2), want2) << cuda::to_string(impl->step_variant(2));
           EXPECT_TRUE(impl->step_variant_timings(2).empty()) << "a forced variant is not measured";
           EXPECT_EQ(gpu->load_report(), "");
-          decode_pair_against_cpu(*gpu, *ref, V(), 3e-2);
-          const std::vector<float> logits = decode_alone_against_cpu(*gpu, *ref, V(), 3e-2);
+          decode_against_cpu(*gpu, *ref, V(), 3e-2, {2, 0});  // batch 2
+          const std::vector<float> logits = decode_against_cpu(*gpu, *ref, V(), 3e-2, {2});
           if (*fused == '0' && *rows_per_warp == '2') by_embedding[*gathered == '1'] = logits;  // no atomics
         }
       }
