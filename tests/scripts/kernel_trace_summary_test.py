@@ -35,22 +35,29 @@ def write_trace(path, replays, layers=14, graph=7, no_graph_replays=2, kinds=KIN
             t = prev_end + 5000
 
 
+def layer_increments(stdout):
+    """The per-layer increments the script prints last, in order."""
+    tail = stdout.split('per layer (middle layers), end-to-end increment:')[1].split('\n')
+    return [float(line.split(':')[1].split()[0]) for line in tail if ':' in line]
+
+
 class KernelTraceSummaryTest(unittest.TestCase):
     def run_script(self, *args):
         return subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True)
+
+    def assert_summary_of_eight_default_replays(self, path):
+        out = self.run_script(path)
+        self.assertEqual(out.returncode, 0, out.stderr)
+        step = 1.5 + 14 * sum(INCREMENTS_US) + 2.0 + 2.5
+        # 8 replays, the first quarter dropped as warm-up; the no-graph records ignored.
+        self.assertIn(f'6 replays of 45 kernels, step {step:.2f} us', out.stdout)
+        self.assertEqual(layer_increments(out.stdout), INCREMENTS_US)
 
     def test_per_layer_increments_and_step(self):
         with tempfile.TemporaryDirectory() as d:
             path = os.path.join(d, 'trace.csv')
             write_trace(path, replays=8)
-            out = self.run_script(path)
-            self.assertEqual(out.returncode, 0, out.stderr)
-            step = 1.5 + 14 * sum(INCREMENTS_US) + 2.0 + 2.5
-            # 8 replays, the first quarter dropped as warm-up; the no-graph records ignored.
-            self.assertIn(f'6 replays of 45 kernels, step {step:.2f} us', out.stdout)
-            tail = out.stdout.split('per layer (middle layers), end-to-end increment:')[1].split('\n')
-            got = [float(line.split(':')[1].split()[0]) for line in tail if ':' in line]
-            self.assertEqual(got, INCREMENTS_US)
+            self.assert_summary_of_eight_default_replays(path)
 
     def test_detects_two_kernel_layers(self):  # out_proj inside the recurrence (batch 1)
         with tempfile.TemporaryDirectory() as d:
@@ -59,9 +66,7 @@ class KernelTraceSummaryTest(unittest.TestCase):
             out = self.run_script(path)
             self.assertEqual(out.returncode, 0, out.stderr)
             self.assertIn('6 replays of 31 kernels', out.stdout)
-            tail = out.stdout.split('per layer (middle layers), end-to-end increment:')[1].split('\n')
-            got = [float(line.split(':')[1].split()[0]) for line in tail if ':' in line]
-            self.assertEqual(got, [2.9, 4.6])
+            self.assertEqual(layer_increments(out.stdout), [2.9, 4.6])
 
     def test_step_without_an_embedding_kernel(self):  # the first in_proj gathers the rows
         with tempfile.TemporaryDirectory() as d:
@@ -71,22 +76,14 @@ class KernelTraceSummaryTest(unittest.TestCase):
             self.assertEqual(out.returncode, 0, out.stderr)
             step = 14 * (2.9 + 4.6) + 2.0 + 2.5
             self.assertIn(f'6 replays of 30 kernels, step {step:.2f} us', out.stdout)
-            tail = out.stdout.split('per layer (middle layers), end-to-end increment:')[1].split('\n')
-            got = [float(line.split(':')[1].split()[0]) for line in tail if ':' in line]
-            self.assertEqual(got, [2.9, 4.6])
+            self.assertEqual(layer_increments(out.stdout), [2.9, 4.6])
 
     def test_reads_the_last_graph_only(self):  # the load-time candidates' replays come first
         with tempfile.TemporaryDirectory() as d:
             path = os.path.join(d, 'trace.csv')
             write_trace(path, replays=12, graph=3, kinds=KINDS[:2], increments=[2.9, 4.6])
             write_trace(path, replays=8, t0=2_000_000_000, append=True)
-            out = self.run_script(path)
-            self.assertEqual(out.returncode, 0, out.stderr)
-            step = 1.5 + 14 * sum(INCREMENTS_US) + 2.0 + 2.5
-            self.assertIn(f'6 replays of 45 kernels, step {step:.2f} us', out.stdout)
-            tail = out.stdout.split('per layer (middle layers), end-to-end increment:')[1].split('\n')
-            got = [float(line.split(':')[1].split()[0]) for line in tail if ':' in line]
-            self.assertEqual(got, INCREMENTS_US)
+            self.assert_summary_of_eight_default_replays(path)
 
     def test_refuses_a_trace_without_graph_records(self):
         with tempfile.TemporaryDirectory() as d:
