@@ -167,10 +167,9 @@ __device__ __forceinline__ void wait_for_previous_kernel(int trigger_point) {
 // engine for the block's share in one bulk prefetch (a per-line prefetch loop put
 // thousands of instructions in front of the kernel's own loads: +10% at batch 1);
 // older chips spread 128-byte line prefetches over all threads.
-__device__ __forceinline__ void prefetch_l2(const L2Prefetch& r) {
+// This block's share is the `block`-th of `blocks` (by default its place in the grid).
+__device__ __forceinline__ void prefetch_l2(const L2Prefetch& r, uint64_t block, uint64_t blocks) {
   if (r.ptr == nullptr) return;
-  const uint64_t blocks = (uint64_t)gridDim.x * gridDim.y * gridDim.z;
-  const uint64_t block = ((uint64_t)blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
   const char* base = static_cast<const char*>(r.ptr);
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   if (threadIdx.x != 0) return;
@@ -185,6 +184,10 @@ __device__ __forceinline__ void prefetch_l2(const L2Prefetch& r) {
     asm volatile("prefetch.global.L2 [%0];" ::"l"(base + off));
   }
 #endif
+}
+__device__ __forceinline__ void prefetch_l2(const L2Prefetch& r) {
+  prefetch_l2(r, ((uint64_t)blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x,
+              (uint64_t)gridDim.x * gridDim.y * gridDim.z);
 }
 
 __device__ __forceinline__ float silu(float v) { return v / (1.0f + expf(-v)); }

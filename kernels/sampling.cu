@@ -84,10 +84,17 @@ __global__ void __launch_bounds__(kThreads) sampling_kernel(const SamplingParams
   const Reduce red{red_sums, red_counts, red_keys};
 
   const int b = blockIdx.x;
-  wait_for_previous_kernel();
+  if (b >= a.batch) {
+    wait_for_previous_kernel();
+    prefetch_l2(a.prefetch, b - a.batch, a.prefetch_blocks);
+    return;
+  }
+  // The slot table, parameters and counters are the step's inputs, not the previous
+  // kernel's outputs (sampling.cuh): their two dependent loads go before the wait.
   const int slot = a.slots[b];
   const SlotSampling sp = a.params[slot];
   const uint64_t counter = a.counters[slot];
+  wait_for_previous_kernel();
   const float* l = a.logits + (int64_t)b * a.logits_stride;
   const int V = a.vocab;
   const int id_bits = V > 1 ? 32 - __clz(V - 1) : 0;
@@ -185,12 +192,14 @@ __global__ void __launch_bounds__(kThreads) sampling_kernel(const SamplingParams
 }  // namespace
 
 KernelLaunch plan_sampling(const SamplingArgs& a) {
-  if (a.batch <= 0 || a.vocab <= 0 || a.logits_stride < a.vocab) {
+  if (a.batch <= 0 || a.vocab <= 0 || a.logits_stride < a.vocab || a.prefetch_blocks < 0) {
     throw std::invalid_argument("plan_sampling: batch " + std::to_string(a.batch) + ", vocab " +
                                 std::to_string(a.vocab) + ", logits stride " +
-                                std::to_string(a.logits_stride) + " are inconsistent");
+                                std::to_string(a.logits_stride) + ", prefetch blocks " +
+                                std::to_string(a.prefetch_blocks) + " are inconsistent");
   }
-  return KernelLaunch::make("sampling", sampling_kernel, dim3(a.batch), dim3(kThreads), 0,
+  const int extra = a.prefetch.ptr != nullptr ? a.prefetch_blocks : 0;
+  return KernelLaunch::make("sampling", sampling_kernel, dim3(a.batch + extra), dim3(kThreads), 0,
                             SamplingParams{a});
 }
 

@@ -7,10 +7,16 @@
 //
 // Afterwards the sampled id goes to sampled[b] and last_token[slot] (next step's input
 // when the host passes kContinueToken) and the slot's counter advances by one.
+//
+// Only the logits may come from the kernel launched before it in the stream: slots,
+// params and counters are read before the programmatic-dependent-launch wait, so they
+// must be complete when the step's first kernel starts (the engine writes them between
+// steps).
 #pragma once
 
 #include <cstdint>
 
+#include "kernels/common.cuh"
 #include "kernels/launch.cuh"
 
 namespace m3::kernels {
@@ -34,6 +40,11 @@ struct SamplingArgs {
   int32_t* last_token = nullptr;            // [n_slots]
   int32_t* sampled = nullptr;               // [batch]
   int batch = 0;
+  // Pulled into L2 by `prefetch_blocks` extra blocks once the logits are in: the next
+  // step's first weights, which nothing else could load early (a step's first kernel has
+  // no predecessor to overlap).
+  L2Prefetch prefetch;
+  int prefetch_blocks = 0;
 };
 
 KernelLaunch plan_sampling(const SamplingArgs& args);

@@ -1,6 +1,7 @@
 // The CUDA engine: weights and state on the device, every buffer allocated at load, and
 // one captured graph per batch bucket that runs the whole decode step. A step costs one
-// small H2D copy of the slot table, one graph launch and one small D2H copy.
+// small H2D copy of the slot table and one graph launch, whose sampling kernels write the
+// sampled ids straight into pinned host memory.
 #include "model/cuda_engine.h"
 
 #include <algorithm>
@@ -60,8 +61,9 @@ CudaEngine::CudaEngine(const ModelWeights& weights, const EngineOptions& options
                              std::to_string(devices) + " visible");
   }
   M3_CUDA_CHECK(cudaSetDevice(device_));
-  // Switches for A/B measurements (m3bench): PDL on, L2 prefetch off by default; the
-  // small buckets' step variants measured at load unless a switch fixes them (0 / 1).
+  // Switches for A/B measurements (m3bench): PDL on, L2 prefetch of later kernels' weights
+  // off and of the next step's first weights on by default; the small buckets' step
+  // variants measured at load unless a switch fixes them (0 / 1).
   if (const char* env = std::getenv("M3_CUDA_PDL"); env != nullptr && std::string(env) == "0") {
     pdl_ = false;
   }
@@ -76,6 +78,7 @@ CudaEngine::CudaEngine(const ModelWeights& weights, const EngineOptions& options
   mimo_tc_min_batch_ = kernels::env_int("M3_MIMO_TC_MIN_BATCH", mimo_tc_min_batch_);  // 0 or less: never
   tc_fuse_max_batch_ = kernels::env_int("M3_MIMO_TC_FUSE_MAX_BATCH", tc_fuse_max_batch_);
   forced_chains_ = std::clamp(kernels::env_int("M3_CUDA_CHAINS", 0), 0, kMaxChains);
+  next_step_prefetch_ = kernels::env_int("M3_CUDA_NEXT_STEP_PREFETCH", 1) != 0;
   M3_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   chain_streams_.resize(kMaxChains - 1);
   join_events_.resize(kMaxChains - 1);
@@ -109,7 +112,6 @@ CudaEngine::CudaEngine(const ModelWeights& weights, const EngineOptions& options
   if (c.has_mlp()) act_ = DeviceBuffer(sizeof(float) * B * c.mlp_width(), "mlp activation");
   logits_ = DeviceBuffer(sizeof(float) * B * c.padded_vocab(), "logits");
   table_ = DeviceBuffer(sizeof(int32_t) * 3 * B, "step table");
-  sampled_ = DeviceBuffer(sizeof(int32_t) * B, "sampled ids");
   params_ = DeviceBuffer(sizeof(kernels::SlotSampling) * n_all, "sampling params");
   counters_ = DeviceBuffer(sizeof(uint64_t) * n_all, "step counters");
   last_token_ = DeviceBuffer(sizeof(int32_t) * n_all, "last sampled tokens");
@@ -172,6 +174,11 @@ DecodeGraph CudaEngine::plan_step(int batch, StepVariant variant) const {
   auto* slots = table_.as<int32_t>();
   auto* tokens = slots + B;
   auto* parities = slots + 2 * B;
+  // The sampling kernels write the ids straight into pinned host memory: a device-to-host
+  // copy after the graph cost each step() call about 5 us of wall time at batch 1 to 16
+  // (H200, PERFORMANCE_NOTES.md run 177), none of device time.
+  int32_t* sampled_mapped = nullptr;
+  M3_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&sampled_mapped), sampled_host_.as<void>(), 0));
   bool any_out_proj_fused = false;
   int fused_cluster = 0;  // as planned (the tensor-core kernel's)
   // One chain: the whole step (embedding, every layer, lm_head, sampling) for batch rows
@@ -315,8 +322,18 @@ DecodeGraph CudaEngine::plan_step(int batch, StepVariant variant) const {
     s.params = params_.as<kernels::SlotSampling>();
     s.counters = counters_.as<uint64_t>();
     s.last_token = last_token_.as<int32_t>();
-    s.sampled = sampled_.as<int32_t>() + row0;
+    s.sampled = sampled_mapped + row0;
     s.batch = rows;
+    if (next_step_prefetch_) {
+      // This chain's share of the first in_proj's weights, for the next step; one block a
+      // multiprocessor (H200, PERFORMANCE_NOTES.md runs 178-179: 0.5-2 us a step at every
+      // batch; two or four times as many blocks, or the first out_proj too, gained nothing more).
+      const uint64_t bytes = msize * c.in_proj_rows() * c.d_model;
+      const uint64_t from = (bytes * row0 / batch) & ~uint64_t{15};
+      const uint64_t to = row0 + rows == batch ? bytes : (bytes * (row0 + rows) / batch) & ~uint64_t{15};
+      s.prefetch = {static_cast<const char*>(weights_.layers[0].in_proj) + from, to - from};
+      s.prefetch_blocks = kernels::multiprocessor_count();
+    }
     out.push_back(kernels::plan_sampling(s));
   };
   DecodeGraph g;
@@ -489,8 +506,6 @@ void CudaEngine::step(std::span<const int32_t> slots, std::span<const int32_t> t
   }
   M3_CUDA_CHECK(cudaMemcpyAsync(table_.get(), th, table_.bytes(), cudaMemcpyHostToDevice, stream_));
   run_plan(g, use_graphs_);
-  M3_CUDA_CHECK(cudaMemcpyAsync(sampled_host_.as<int32_t>(), sampled_.get(), sizeof(int32_t) * n,
-                                cudaMemcpyDeviceToHost, stream_));
   if (!logits.empty()) {
     M3_CUDA_CHECK(cudaMemcpyAsync(logits.data(), logits_.get(), sizeof(float) * n * V,
                                   cudaMemcpyDeviceToHost, stream_));

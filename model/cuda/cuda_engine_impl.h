@@ -131,6 +131,8 @@ class CudaEngine final : public Engine {
   cudaEvent_t fork_event_ = nullptr;
   std::vector<cudaEvent_t> join_events_;
   int forced_chains_ = 0;  // M3_CUDA_CHAINS (A/B): chains per bucket, 0 = planned
+  // The sampling kernels pull the next step's first weights into L2 (M3_CUDA_NEXT_STEP_PREFETCH=0: not).
+  bool next_step_prefetch_ = true;
   DeviceWeights weights_;
   kernels::MimoStateLayout layout_;
   int64_t slot_state_floats_ = 0;
@@ -138,11 +140,11 @@ class CudaEngine final : public Engine {
   DeviceBuffer state_;       // [max_slots + 1][n_layer][layout_.floats]
   DeviceBuffer res_, w_, o_, act_, logits_;
   DeviceBuffer table_;       // int32 [3 * max_bucket]: slots, tokens, state parities
-  DeviceBuffer sampled_;     // int32 [max_bucket]
   DeviceBuffer params_;      // SlotSampling [max_slots + 1]
   DeviceBuffer counters_;    // uint64 [max_slots + 1]
   DeviceBuffer last_token_;  // int32 [max_slots + 1]
-  PinnedBuffer table_host_, sampled_host_, params_host_;
+  PinnedBuffer table_host_, params_host_;
+  PinnedBuffer sampled_host_;  // int32 [max_bucket], written by the sampling kernels
 
   std::vector<int> bucket_sizes_;
   std::vector<int> bucket_of_batch_;  // index into graphs_ for 1..max_slots

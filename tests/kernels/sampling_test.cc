@@ -1,7 +1,7 @@
 // The sampling kernel against the host definition (model/cpu_sampling.h) on random
 // logits of an odd vocabulary inside a padded row: greedy, temperature, top-k, top-p and
-// their mixes, ties, per-slot seeds and counters; and the embedding gather with
-// continue tokens.
+// their mixes, ties, per-slot seeds and counters, with and without the blocks that pull the
+// next step's weights into L2; and the embedding gather with continue tokens.
 #include <string>
 
 #include "gpu_test_util.h"
@@ -55,7 +55,15 @@ TEST(SamplingKernel, MatchesHostDefinition) {
     a.last_token = dlast.get();
     a.sampled = dsampled.get();
     a.batch = batch;
-    kernels::plan_sampling(a).launch(nullptr, false);
+    // Odd rounds add blocks that only pull a buffer into L2: the samples must not change.
+    DeviceArray<float> prefetched(round % 2 == 1 ? 4099 : 0);
+    if (round % 2 == 1) {
+      a.prefetch = {prefetched.get(), sizeof(float) * 4096};
+      a.prefetch_blocks = 3 + round;
+    }
+    const kernels::KernelLaunch launch = kernels::plan_sampling(a);
+    EXPECT_EQ(launch.grid().x, static_cast<unsigned>(batch + a.prefetch_blocks));
+    launch.launch(nullptr, false);
     M3_CUDA_CHECK(cudaDeviceSynchronize());
     const auto sampled = dsampled.download();
     const auto last = dlast.download();
