@@ -23,6 +23,7 @@
 // and a 1/CS share of the N columns. Each lane keeps, per 16-column group m, columns
 // 16m + 4t .. 16m + 4t + 3 of rows g and g + 8 (g = lane / 4, t = lane % 4): two 16-byte
 // loads, the row-major [P][N] state layout of MimoStateLayout unchanged.
+#include <algorithm>
 #include <stdexcept>
 #include <string>
 
@@ -587,9 +588,12 @@ int column_split_override() {
 }
 
 // Two warps per row tile (256 threads, 3 blocks per SM) unless one-warp tiles (128
-// threads, 4 blocks per SM) fit every block in one wave and two-warp tiles would not:
-// measured at batch 16 (448 blocks), 437 against 458 us per step; at batch 4 and 64 the
-// two-warp tiles win (243 against 249, 1280 against 1311).
+// threads, 4 blocks per SM) take fewer waves of blocks: measured on the H200 at batch 16
+// (448 blocks: one wave against two), 437 against 458 us per step; at batch 64, two chains
+// of 896 blocks (two waves against three), 714-716 against 720-721 (PERFORMANCE_NOTES.md
+// run 181); where the waves tie, the two-warp tiles win (batch 4: 171 against 187, batch
+// 8: 214 against 223). At batch 128 (1792 blocks, four waves against five) they measured
+// the same.
 template <int R>
 KernelLaunch plan_rank_tc(const MimoStepArgs& a) {
   if (a.out_proj != nullptr) return plan_fused<R>(a);
@@ -602,9 +606,11 @@ KernelLaunch plan_rank_tc(const MimoStepArgs& a) {
   const int sms = multiprocessor_count();
   KernelLaunch one = plan_cs<R, 1>(a);
   const int blocks = a.heads * a.batch;
-  const bool one_wave_only_with_one = blocks > two.resident_blocks_per_sm(256) * sms &&
-                                      blocks <= one.resident_blocks_per_sm(128) * sms;
-  return one_wave_only_with_one ? one : two;
+  auto waves = [&](const KernelLaunch& k, int threads) {
+    const int per_wave = std::max(1, k.resident_blocks_per_sm(threads) * sms);
+    return (blocks + per_wave - 1) / per_wave;
+  };
+  return waves(one, 128) < waves(two, 256) ? one : two;
 }
 
 }  // namespace
