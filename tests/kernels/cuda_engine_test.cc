@@ -170,11 +170,14 @@ TEST_F(CudaEngineTest, GraphReplayEqualsDirectLaunchesAndBucketsAreIndependent) 
     // Same kernels; the fused out_proj adds with atomics, so only rounding may differ.
     ASSERT_LT(rel_err(la, lb), 1e-5) << "step " << t;
     ASSERT_EQ(a, b);
-    // Entry 1 alone in a one-slot engine gives the same numbers as inside the batch.
+    // Entry 1 alone in a one-slot engine gives the same numbers as inside the batch, up to
+    // fp32 rounding: alone, out_proj runs inside the recurrence and adds with atomics in a
+    // varying order; in the batch it is a kernel of its own (seen: 1.02e-06 after a few
+    // steps, H200 run 182). Another entry's rows leaking in would be far larger.
     const std::vector<int32_t> one = {t == 0 ? 2 : kContinueToken};
     single->step(std::vector<int32_t>{0}, one, s, ls);
     ASSERT_EQ(s[0], a[1]);
-    ASSERT_LT(rel_err(ls, std::vector<float>(la.begin() + V(), la.begin() + 2 * V())), 1e-6);
+    ASSERT_LT(rel_err(ls, std::vector<float>(la.begin() + V(), la.begin() + 2 * V())), 1e-5);
   }
   EXPECT_EQ(graphed->stats().graph_replays, 10u);
   EXPECT_EQ(direct->stats().graph_replays, 0u);
