@@ -48,6 +48,14 @@ struct WeightChunk<float> {
   }
 };
 
+// One output row's value `a` (and, gated, its gate's `g`) into y.
+template <GemvEpilogue E>
+__device__ __forceinline__ void write_output(float* out, float a, float g) {
+  if constexpr (E == GemvEpilogue::Store) *out = a;
+  if constexpr (E == GemvEpilogue::Accumulate) *out += a;
+  if constexpr (E == GemvEpilogue::GatedSilu) *out = a * silu(g);
+}
+
 // BT: vectors per block (batch tile); RPW: output rows per warp; KC: 8-weight chunks per
 // lane per row held in registers at once (a "pass" covers 32*KC chunks of a row).
 //
@@ -195,9 +203,7 @@ __global__ void __launch_bounds__(kThreads, kGather && BT == 1 && sizeof(W) == 2
     const float a = warp_sum_many<RPW>(v) * scale[0];
     const int row = row0 + lane;
     if (lane < RPW && nb > 0 && row < p.out_rows) {
-      float* out = p.y + (size_t)b0 * p.y_stride + row;
-      if constexpr (E == GemvEpilogue::Store) *out = a;
-      if constexpr (E == GemvEpilogue::Accumulate) *out += a;
+      write_output<E>(p.y + (size_t)b0 * p.y_stride + row, a, 0.f);
     }
   } else {
 #pragma unroll
@@ -209,10 +215,7 @@ __global__ void __launch_bounds__(kThreads, kGather && BT == 1 && sizeof(W) == 2
         if constexpr (NW == 2) g = warp_sum(acc[i * NW + 1][b]) * scale[b];
         const int row = row0 + i;
         if (lane == 0 && b < nb && row < p.out_rows) {
-          float* out = p.y + (size_t)(b0 + b) * p.y_stride + row;
-          if constexpr (E == GemvEpilogue::Store) *out = a;
-          if constexpr (E == GemvEpilogue::Accumulate) *out += a;
-          if constexpr (E == GemvEpilogue::GatedSilu) *out = a * silu(g);
+          write_output<E>(p.y + (size_t)(b0 + b) * p.y_stride + row, a, g);
         }
       }
     }

@@ -34,12 +34,19 @@ int pdl_trigger_point(PdlStage stage) {
   return (first & bit) != 0 ? 2 : (after_wait & bit) != 0 ? 1 : 0;
 }
 
+namespace {
+// `attr`: the kernel's attributes as queried before (its limit as it stood then).
+void raise_dynamic_smem_limit(const void* kernel, size_t bytes, const cudaFuncAttributes& attr) {
+  if (bytes <= 48 * 1024 || bytes <= static_cast<size_t>(attr.maxDynamicSharedSizeBytes)) return;
+  M3_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+}
+}  // namespace
+
 void allow_dynamic_smem(const void* kernel, size_t bytes) {
   if (bytes <= 48 * 1024) return;
   cudaFuncAttributes attr{};
   M3_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
-  if (bytes <= static_cast<size_t>(attr.maxDynamicSharedSizeBytes)) return;
-  M3_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+  raise_dynamic_smem_limit(kernel, bytes, attr);
 }
 
 void KernelLaunch::check_resources() const {
@@ -60,7 +67,7 @@ void KernelLaunch::check_resources() const {
                              " threads per block; its registers allow " +
                              std::to_string(attr.maxThreadsPerBlock));
   }
-  allow_dynamic_smem(func_, smem_);
+  raise_dynamic_smem_limit(func_, smem_, attr);
 }
 
 int KernelLaunch::resident_blocks_per_sm(int threads_per_block) const {
