@@ -155,7 +155,8 @@ int run(const Options& o) {
     }
     graphed.step(slots, tokens, sampled);
     std::fill(tokens.begin(), tokens.end(), kContinueToken);
-    // Host view: one step() call (table copy, graph launch, sync; the sampled ids arrive in pinned host memory).
+    // Host view: one step() call (table copy, graph launch, sync; the sampled ids arrive
+    // in pinned host memory).
     std::vector<float> wall;
     for (int i = 0; i < o.iters / 3 + 10; ++i) {
       const auto t0 = std::chrono::steady_clock::now();
