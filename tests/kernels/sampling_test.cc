@@ -8,6 +8,7 @@
 #include "kernels/embedding.cuh"
 #include "kernels/sampling.cuh"
 #include "model/cpu_sampling.h"
+#include "tests/error_of.h"
 
 namespace m3 {
 namespace {
@@ -85,6 +86,20 @@ TEST(SamplingKernel, MatchesHostDefinition) {
     EXPECT_EQ(last[2], -5);  // slots not in the batch are untouched
     EXPECT_EQ(counters_after[5], counters[5]);
   }
+}
+
+// Refused before anything touches a device, so this runs without one too.
+TEST(SamplingKernel, RejectsInconsistentArguments) {
+  kernels::SamplingArgs a;
+  a.logits_stride = 10;
+  a.vocab = 10;
+  a.batch = 0;
+  EXPECT_EQ(test::error_of<std::invalid_argument>([&] { kernels::plan_sampling(a); }),
+            "plan_sampling: batch 0, vocab 10, logits stride 10, prefetch blocks 0 are inconsistent");
+  a.batch = 2;
+  a.prefetch_blocks = -1;
+  EXPECT_EQ(test::error_of<std::invalid_argument>([&] { kernels::plan_sampling(a); }),
+            "plan_sampling: batch 2, vocab 10, logits stride 10, prefetch blocks -1 are inconsistent");
 }
 
 TEST(EmbeddingKernel, GathersTokensAndContinues) {
