@@ -424,19 +424,18 @@ TEST_F(CudaEngineTest, RejectsBadArguments) {
   load(testing::small_config());
   auto e = cuda(3);
   std::vector<int32_t> out(2);
+  auto expect_call_error = [](auto&& call, const std::string& text) {
+    const std::string msg = test::error_of<std::invalid_argument>(call);
+    EXPECT_NE(msg.find(text), std::string::npos) << msg;
+  };
   auto expect_error = [&](std::vector<int32_t> slots, std::vector<int32_t> tokens, const std::string& text) {
     std::vector<int32_t> o(slots.size());
-    const std::string msg = test::error_of<std::invalid_argument>([&] { e->step(slots, tokens, o); });
-    EXPECT_NE(msg.find(text), std::string::npos) << msg;
+    expect_call_error([&] { e->step(slots, tokens, o); }, text);
   };
   expect_error({3}, {1}, "step: slot 3 is out of range [0, 3)");
   expect_error({1, 1}, {1, 2}, "step: slot 1 is listed twice");
   expect_error({0}, {203}, "step: slot 0: token 203 is outside [0, 203)");
   expect_error({0}, {kContinueToken}, "step: slot 0: kContinueToken but the slot has no sampled token yet");
-  auto expect_call_error = [](auto&& call, const std::string& text) {
-    const std::string msg = test::error_of<std::invalid_argument>(call);
-    EXPECT_NE(msg.find(text), std::string::npos) << msg;
-  };
   expect_call_error([&] { e->step(std::vector<int32_t>{0, 1}, std::vector<int32_t>{1}, out); },
                     "2 slots but 1 tokens");
   expect_call_error([&] { e->reset(-1); }, "reset: slot -1 is out of range");
