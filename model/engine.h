@@ -12,6 +12,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "model/config.h"
 
@@ -74,11 +75,34 @@ class Engine {
   virtual void step(std::span<const int32_t> slots, std::span<const int32_t> tokens,
                     std::span<int32_t> sampled, std::span<float> logits = {}) = 0;
 
+  // The same step in two halves, so that the host can prepare the next step while the
+  // device runs this one (the server's scheduler does): submit_step() checks its arguments
+  // as step() does, queues the step and returns; collect_step() waits for the oldest
+  // queued step and writes its samples, in the order of its slots (sampled.size() must be
+  // its slot count); a step of no slots queues nothing. At most kMaxQueuedSteps steps are
+  // queued; call step() with none queued (the CUDA engine refuses). A slot may be in two
+  // queued steps: kContinueToken in the later one feeds what the earlier one samples.
+  // reset() and set_sampling() apply to the steps submitted after them; those already
+  // queued run as submitted. This default runs step() inside submit_step(); an engine
+  // whose device works asynchronously overrides both.
+  static constexpr int kMaxQueuedSteps = 2;
+  virtual void submit_step(std::span<const int32_t> slots, std::span<const int32_t> tokens);
+  virtual void collect_step(std::span<int32_t> sampled);
+  int queued_steps() const { return queued_count_; }
+
   virtual EngineStats stats() const = 0;
 
   // Choices the engine made at load that operators may want to see (the CUDA engine: the
   // batch-1 and batch-2 step variants it measured fastest); empty when there are none.
   virtual std::string load_report() const { return {}; }
+
+ protected:
+  // The queue of submitted, not yet collected steps: its head and length. Engines that
+  // override submit_step / collect_step keep these too (queued_steps() reads them).
+  int queued_head_ = 0, queued_count_ = 0;
+
+ private:
+  std::vector<int32_t> queued_samples_[kMaxQueuedSteps];  // the default's samples, per queued step
 };
 
 // backend: "cpu", "cuda", or "auto" (CUDA when built with it and a GPU is present).

@@ -218,6 +218,38 @@ TEST_F(CpuEngineTest, RejectedStepLeavesStateUntouched) {
   EXPECT_EQ(step1(*a, 0, 12), step1(*b, 0, 12));
 }
 
+// The interface's default submit_step / collect_step: samples come back in submission
+// order, as step() gives them; a refused step queues nothing; the queue holds two.
+TEST_F(CpuEngineTest, SubmittedStepsCollectWhatStepGives) {
+  auto a = engine(2), b = engine(2);
+  for (Engine* e : {a.get(), b.get()}) e->set_sampling(1, SamplingParams{0.9f, 0, 1.f, 5});
+  const int32_t slots[] = {0, 1}, first[] = {3, 4}, next[] = {kContinueToken, kContinueToken};
+  int32_t want[3][2], got[3][2];
+  b->step(slots, first, want[0]);
+  b->step(slots, next, want[1]);
+  b->step(slots, next, want[2]);
+  a->submit_step(slots, first);
+  a->submit_step(slots, next);
+  EXPECT_EQ(a->queued_steps(), 2);
+  EXPECT_EQ(test::error_of<std::logic_error>([&] { a->submit_step(slots, next); }),
+            "submit_step: 2 steps are queued already; collect_step() one first");
+  a->collect_step(got[0]);
+  const int32_t bad[] = {0, 999};
+  EXPECT_THROW(a->submit_step(slots, bad), std::invalid_argument);
+  EXPECT_EQ(a->queued_steps(), 1);
+  a->submit_step(slots, next);
+  EXPECT_EQ(test::error_of<std::invalid_argument>([&] { a->collect_step(std::span<int32_t>(got[1], 1)); }),
+            "collect_step: the step has 2 slots but 1 sampled entries");
+  a->collect_step(got[1]);
+  a->collect_step(got[2]);
+  EXPECT_EQ(a->queued_steps(), 0);
+  EXPECT_EQ(test::error_of<std::logic_error>([&] { a->collect_step(got[0]); }), "collect_step: no step is queued");
+  for (int t = 0; t < 3; ++t) {
+    EXPECT_EQ(got[t][0], want[t][0]) << "step " << t;
+    EXPECT_EQ(got[t][1], want[t][1]) << "step " << t;
+  }
+}
+
 TEST_F(CpuEngineTest, StatsCountStepsAndTokens) {
   auto e = engine(3);
   const int32_t slots[] = {0, 2}, tokens[] = {1, 2};
