@@ -111,13 +111,13 @@ CudaEngine::CudaEngine(const ModelWeights& weights, const EngineOptions& options
   o_ = DeviceBuffer(sizeof(float) * B * c.d_inner(), "mixer output");
   if (c.has_mlp()) act_ = DeviceBuffer(sizeof(float) * B * c.mlp_width(), "mlp activation");
   logits_ = DeviceBuffer(sizeof(float) * B * c.padded_vocab(), "logits");
-  table_ = DeviceBuffer(sizeof(int32_t) * 3 * B, "step table");
-  params_ = DeviceBuffer(sizeof(kernels::SlotSampling) * n_all, "sampling params");
+  table_ = DeviceBuffer(sizeof(int32_t) * table_ints(), "step table");
+  params_dev_ = DeviceBuffer(sizeof(kernels::SlotSampling) * n_all, "sampling params");
   counters_ = DeviceBuffer(sizeof(uint64_t) * n_all, "step counters");
   last_token_ = DeviceBuffer(sizeof(int32_t) * n_all, "last sampled tokens");
-  table_host_ = PinnedBuffer(sizeof(int32_t) * 3 * B, "step table (host)");
-  sampled_host_ = PinnedBuffer(sizeof(int32_t) * B, "sampled ids (host)");
-  params_host_ = PinnedBuffer(sizeof(kernels::SlotSampling) * n_all, "sampling params (host)");
+  table_host_ = PinnedBuffer(sizeof(int32_t) * table_ints() * kMaxQueuedSteps, "step tables (host)");
+  sampled_host_ = PinnedBuffer(sizeof(int32_t) * B * kMaxQueuedSteps, "sampled ids (host)");
+  params_host_ = PinnedBuffer(sizeof(kernels::SlotSampling) * n_all * kMaxQueuedSteps, "sampling params (host)");
 
   M3_CUDA_CHECK(cudaMemset(state_.get(), 0, state_.bytes()));
   M3_CUDA_CHECK(cudaMemset(res_.get(), 0, res_.bytes()));
@@ -125,15 +125,16 @@ CudaEngine::CudaEngine(const ModelWeights& weights, const EngineOptions& options
   M3_CUDA_CHECK(cudaMemset(last_token_.get(), 0, last_token_.bytes()));
   auto* th = table_host_.as<int32_t>();
   for (size_t i = 0; i < B; ++i) { th[i] = scratch_slot_; th[B + i] = 0; th[2 * B + i] = 0; }
+  th[3 * B] = 0;
   M3_CUDA_CHECK(cudaMemcpy(table_.get(), th, table_.bytes(), cudaMemcpyHostToDevice));
-  auto* ph = params_host_.as<kernels::SlotSampling>();
-  for (int i = 0; i < n_all; ++i) ph[i] = kernels::SlotSampling{};
+  params_.assign(n_all, kernels::SlotSampling{});
   has_sample_.assign(max_slots_, 0);
   steps_since_reset_.assign(max_slots_, 0);
   seen_in_step_.assign(max_slots_, 0);
 
   timing_events_.resize(2);
   for (auto& e : timing_events_) M3_CUDA_CHECK(cudaEventCreate(&e));
+  for (auto& e : step_done_) M3_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
 
   build_plans();
   if (use_graphs_) capture_graphs();
@@ -142,11 +143,13 @@ CudaEngine::CudaEngine(const ModelWeights& weights, const EngineOptions& options
 }
 
 CudaEngine::~CudaEngine() {
+  if (stream_) cudaStreamSynchronize(stream_);  // queued steps write into pinned buffers freed below
   for (auto& g : graphs_) {
     if (g.exec) cudaGraphExecDestroy(g.exec);
     if (g.graph) cudaGraphDestroy(g.graph);
   }
   for (auto e : timing_events_) cudaEventDestroy(e);
+  for (auto e : step_done_) if (e) cudaEventDestroy(e);
   for (auto e : join_events_) if (e) cudaEventDestroy(e);
   if (fork_event_) cudaEventDestroy(fork_event_);
   for (auto s : chain_streams_) if (s) cudaStreamDestroy(s);
@@ -174,6 +177,7 @@ DecodeGraph CudaEngine::plan_step(int batch, StepVariant variant) const {
   auto* slots = table_.as<int32_t>();
   auto* tokens = slots + B;
   auto* parities = slots + 2 * B;
+  const int32_t* sampled_offset = slots + 3 * B;
   // The sampling kernels write the ids straight into pinned host memory: a device-to-host
   // copy after the graph cost each step() call about 5 us of wall time at batch 1 to 16
   // (H200, PERFORMANCE_NOTES.md run 177), none of device time.
@@ -319,10 +323,11 @@ DecodeGraph CudaEngine::plan_step(int batch, StepVariant variant) const {
     s.logits_stride = c.padded_vocab();
     s.vocab = c.vocab_size;
     s.slots = slots + row0;
-    s.params = params_.as<kernels::SlotSampling>();
+    s.params = params_dev_.as<kernels::SlotSampling>();
     s.counters = counters_.as<uint64_t>();
     s.last_token = last_token_.as<int32_t>();
     s.sampled = sampled_mapped + row0;
+    s.sampled_offset = sampled_offset;
     s.batch = rows;
     if (next_step_prefetch_) {
       // This chain's share of the first in_proj's weights, for the next step; one block a
@@ -422,8 +427,7 @@ void CudaEngine::reset(int slot) {
     throw std::invalid_argument(slot_context("reset", slot) + " is out of range [0, " +
                                 std::to_string(max_slots_) + ")");
   }
-  zero_slot(slot);
-  M3_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  zero_slot(slot);  // queued behind the steps already submitted, ahead of later ones
   has_sample_[slot] = 0;
   steps_since_reset_[slot] = 0;
 }
@@ -443,7 +447,7 @@ void CudaEngine::set_sampling(int slot, const SamplingParams& params) {
                                 std::to_string(max_slots_) + ")");
   }
   validate_sampling_params(params, slot_context("set_sampling", slot));
-  kernels::SlotSampling& s = params_host_.as<kernels::SlotSampling>()[slot];
+  kernels::SlotSampling& s = params_[slot];
   s.temperature = params.temperature;
   s.top_k = params.top_k;
   s.top_p = params.top_p;
@@ -453,8 +457,11 @@ void CudaEngine::set_sampling(int slot, const SamplingParams& params) {
 
 void CudaEngine::step(std::span<const int32_t> slots, std::span<const int32_t> tokens,
                       std::span<int32_t> sampled, std::span<float> logits) {
-  const size_t n = slots.size();
-  const size_t V = static_cast<size_t>(config_.padded_vocab());
+  if (queued_count_ != 0) {
+    throw std::logic_error("step: " + std::to_string(queued_count_) +
+                           " submitted steps are not collected yet; collect_step() them first");
+  }
+  const size_t n = slots.size(), V = static_cast<size_t>(config_.padded_vocab());
   if (tokens.size() != n || sampled.size() != n || (!logits.empty() && logits.size() != n * V)) {
     throw std::invalid_argument("step: " + std::to_string(n) + " slots but " +
                                 std::to_string(tokens.size()) + " tokens, " +
@@ -462,10 +469,30 @@ void CudaEngine::step(std::span<const int32_t> slots, std::span<const int32_t> t
                                 std::to_string(logits.size()) + " logits (need 0 or " +
                                 std::to_string(n * V) + ")");
   }
+  submit(slots, tokens, logits);
+  if (!slots.empty()) collect_step(sampled);
+}
+
+void CudaEngine::submit_step(std::span<const int32_t> slots, std::span<const int32_t> tokens) {
+  submit(slots, tokens, {});
+}
+
+void CudaEngine::submit(std::span<const int32_t> slots, std::span<const int32_t> tokens,
+                        std::span<float> logits) {
+  const size_t n = slots.size();
+  const size_t V = static_cast<size_t>(config_.padded_vocab());
+  if (tokens.size() != n) {
+    throw std::invalid_argument("submit_step: " + std::to_string(n) + " slots but " +
+                                std::to_string(tokens.size()) + " tokens");
+  }
   if (n == 0) return;
   if (n > static_cast<size_t>(max_slots_)) {
     throw std::invalid_argument("step: " + std::to_string(n) + " slots, more than max_slots " +
                                 std::to_string(max_slots_));
+  }
+  if (queued_count_ == kMaxQueuedSteps) {
+    throw std::logic_error("submit_step: " + std::to_string(kMaxQueuedSteps) +
+                           " steps are queued already; collect_step() one first");
   }
   ++step_serial_;
   for (size_t i = 0; i < n; ++i) {
@@ -490,18 +517,22 @@ void CudaEngine::step(std::span<const int32_t> slots, std::span<const int32_t> t
     }
   }
 
+  // This step's place in the queue's ring picks its host-side table, parameters and ids.
+  const int q = (queued_head_ + queued_count_) % kMaxQueuedSteps;
   const DecodeGraph& g = graph_for_batch(static_cast<int>(n));
   const int B = max_bucket_;
-  auto* th = table_host_.as<int32_t>();
+  auto* th = table_host_.as<int32_t>() + q * table_ints();
   for (size_t i = 0; i < n; ++i) {
     th[i] = slots[i];
     th[B + i] = tokens[i];
     th[2 * B + i] = static_cast<int32_t>(steps_since_reset_[slots[i]] & 1);
   }
   for (int i = static_cast<int>(n); i < g.batch; ++i) { th[i] = scratch_slot_; th[B + i] = 0; th[2 * B + i] = 0; }
+  th[3 * B] = q * B;
   if (params_dirty_) {
-    M3_CUDA_CHECK(cudaMemcpyAsync(params_.get(), params_host_.as<void>(), params_.bytes(),
-                                  cudaMemcpyHostToDevice, stream_));
+    auto* ph = params_host_.as<kernels::SlotSampling>() + q * params_.size();
+    std::copy(params_.begin(), params_.end(), ph);
+    M3_CUDA_CHECK(cudaMemcpyAsync(params_dev_.get(), ph, params_dev_.bytes(), cudaMemcpyHostToDevice, stream_));
     params_dirty_ = false;
   }
   M3_CUDA_CHECK(cudaMemcpyAsync(table_.get(), th, table_.bytes(), cudaMemcpyHostToDevice, stream_));
@@ -510,16 +541,31 @@ void CudaEngine::step(std::span<const int32_t> slots, std::span<const int32_t> t
     M3_CUDA_CHECK(cudaMemcpyAsync(logits.data(), logits_.get(), sizeof(float) * n * V,
                                   cudaMemcpyDeviceToHost, stream_));
   }
-  M3_CUDA_CHECK(cudaStreamSynchronize(stream_));
-  const int32_t* sh = sampled_host_.as<int32_t>();
+  M3_CUDA_CHECK(cudaEventRecord(step_done_[q], stream_));
+  // Bookkeeping for the steps after this one: the device has the slot's sample by then.
   for (size_t i = 0; i < n; ++i) {
-    sampled[i] = sh[i];
     has_sample_[slots[i]] = 1;
     ++steps_since_reset_[slots[i]];
   }
+  queued_batch_[q] = static_cast<int>(n);
+  ++queued_count_;
   ++stats_.steps;
   if (use_graphs_) ++stats_.graph_replays;
   stats_.tokens += n;
+}
+
+void CudaEngine::collect_step(std::span<int32_t> sampled) {
+  if (queued_count_ == 0) throw std::logic_error("collect_step: no step is queued");
+  const int q = queued_head_;
+  if (sampled.size() != static_cast<size_t>(queued_batch_[q])) {
+    throw std::invalid_argument("collect_step: the step has " + std::to_string(queued_batch_[q]) +
+                                " slots but " + std::to_string(sampled.size()) + " sampled entries");
+  }
+  M3_CUDA_CHECK(cudaEventSynchronize(step_done_[q]));
+  const int32_t* sh = sampled_host_.as<int32_t>() + static_cast<size_t>(q) * max_bucket_;
+  std::copy(sh, sh + sampled.size(), sampled.begin());
+  queued_head_ = (queued_head_ + 1) % kMaxQueuedSteps;
+  --queued_count_;
 }
 
 std::vector<float> CudaEngine::time_replays(int batch, int iters, bool use_graph) {

@@ -61,6 +61,8 @@ class CudaEngine final : public Engine {
   void set_sampling(int slot, const SamplingParams& params) override;
   void step(std::span<const int32_t> slots, std::span<const int32_t> tokens,
             std::span<int32_t> sampled, std::span<float> logits = {}) override;
+  void submit_step(std::span<const int32_t> slots, std::span<const int32_t> tokens) override;
+  void collect_step(std::span<int32_t> sampled) override;
   EngineStats stats() const override { return stats_; }
 
   // --- for m3bench and tests ---
@@ -103,6 +105,9 @@ class CudaEngine final : public Engine {
   void run_plan(const DecodeGraph& g, bool use_graph);
   void launch_chains(const DecodeGraph& g);
   void zero_slot(int slot);
+  // submit_step, and the copy of the step's logits into `logits` (when not empty) before
+  // the step counts as done.
+  void submit(std::span<const int32_t> slots, std::span<const int32_t> tokens, std::span<float> logits);
   int chains_for_batch(int batch) const;
   const DecodeGraph& graph_for_batch(int batch) const;
 
@@ -139,12 +144,22 @@ class CudaEngine final : public Engine {
 
   DeviceBuffer state_;       // [max_slots + 1][n_layer][layout_.floats]
   DeviceBuffer res_, w_, o_, act_, logits_;
-  DeviceBuffer table_;       // int32 [3 * max_bucket]: slots, tokens, state parities
-  DeviceBuffer params_;      // SlotSampling [max_slots + 1]
+  // int32 [table_ints()]: slots, tokens, state parities (max_bucket each), then where in
+  // sampled_host_ the step's ids go (0 or max_bucket).
+  DeviceBuffer table_;
+  DeviceBuffer params_dev_;  // SlotSampling [max_slots + 1]
   DeviceBuffer counters_;    // uint64 [max_slots + 1]
   DeviceBuffer last_token_;  // int32 [max_slots + 1]
+  // Per queued step (kMaxQueuedSteps of each, by position in the queue's ring): the table
+  // and sampling parameters it copies to the device (a later step's host side must not
+  // change them before the copies run), its ids (written by the sampling kernels) and the
+  // event that says it is done.
   PinnedBuffer table_host_, params_host_;
-  PinnedBuffer sampled_host_;  // int32 [max_bucket], written by the sampling kernels
+  PinnedBuffer sampled_host_;
+  cudaEvent_t step_done_[kMaxQueuedSteps] = {};
+  int queued_batch_[kMaxQueuedSteps] = {};
+  size_t table_ints() const { return 3 * static_cast<size_t>(max_bucket_) + 1; }
+  std::vector<kernels::SlotSampling> params_;  // as set_sampling left them
 
   std::vector<int> bucket_sizes_;
   std::vector<int> bucket_of_batch_;  // index into graphs_ for 1..max_slots

@@ -400,6 +400,79 @@ TEST_F(CudaEngineTest, DecodeStepsAllocateNothingAndReplayOneGraph) {
   EXPECT_EQ(impl->bucket_sizes(), (std::vector<int>{1, 2, 4, 8}));
 }
 
+// submit_step / collect_step with the next step submitted before the previous one is
+// collected (as the server runs them) sample what step() one at a time does: slots in two
+// queued steps continue from the earlier one's sample; reset and set_sampling between
+// submits apply from the next submitted step on. No allocation either way.
+TEST_F(CudaEngineTest, PipelinedStepsSampleWhatStepsOneAtATimeDo) {
+  M3_REQUIRE_CUDA_DEVICE();
+  ModelConfig c = testing::small_config();
+  s2s_head_shape(c);
+  load(c);
+  EngineOptions o;
+  o.max_slots = 4;
+  o.weight_dtype = WeightDType::BF16;
+  o.deterministic = true;
+  auto e = make_cuda_engine(*weights_, o);
+  // Step t: slots and tokens; at step 6 slot 3 restarts (reset, new sampling) first.
+  auto plan = [](int t, std::vector<int32_t>& slots, std::vector<int32_t>& tokens) {
+    slots.clear();
+    tokens.clear();
+    for (int s = 0; s < 4; ++s) {
+      if (s == 2 && t % 3 == 1) continue;  // sits some steps out
+      slots.push_back(s);
+      const bool fresh = t == 0 || (s == 3 && t == 6);
+      tokens.push_back(fresh ? 5 + s + t : (s == 1 && t < 4 ? 40 + t : kContinueToken));
+    }
+  };
+  auto restart = [&](int t) {
+    if (t == 0) {
+      for (int s = 0; s < 4; ++s) {
+        e->reset(s);
+        e->set_sampling(s, SamplingParams{s % 2 ? 0.8f : 0.f, 30, 0.9f, 11u + s});
+      }
+    }
+    if (t == 6) {
+      e->reset(3);
+      e->set_sampling(3, SamplingParams{1.1f, 0, 0.95f, 77});
+    }
+  };
+  constexpr int kSteps = 14;
+  std::vector<int32_t> slots, tokens;
+  std::vector<std::vector<int32_t>> one_at_a_time(kSteps), pipelined(kSteps);
+  for (int t = 0; t < kSteps; ++t) {
+    restart(t);
+    plan(t, slots, tokens);
+    one_at_a_time[t].resize(slots.size());
+    e->step(slots, tokens, one_at_a_time[t]);
+  }
+  const uint64_t allocations = cuda::allocation_count();
+  for (int t = 0; t <= kSteps; ++t) {
+    if (t < kSteps) {
+      restart(t);
+      plan(t, slots, tokens);
+      pipelined[t].resize(slots.size());
+      e->submit_step(slots, tokens);
+    }
+    if (t > 0) e->collect_step(pipelined[t - 1]);
+    EXPECT_EQ(e->queued_steps(), t < kSteps ? 1 : 0);
+  }
+  EXPECT_EQ(cuda::allocation_count(), allocations);
+  EXPECT_EQ(pipelined, one_at_a_time);
+
+  // The queue's limits.
+  plan(1, slots, tokens);
+  std::vector<int32_t> out(slots.size());
+  e->submit_step(slots, tokens);
+  e->submit_step(slots, tokens);
+  EXPECT_THROW(e->submit_step(slots, tokens), std::logic_error);
+  EXPECT_THROW(e->step(slots, tokens, out), std::logic_error);
+  EXPECT_THROW(e->collect_step(std::span<int32_t>(out.data(), 1)), std::invalid_argument);
+  e->collect_step(out);
+  e->collect_step(out);
+  EXPECT_THROW(e->collect_step(out), std::logic_error);
+}
+
 TEST_F(CudaEngineTest, ResetStartsTheSequenceAgain) {
   M3_REQUIRE_CUDA_DEVICE();
   load(testing::small_config());
