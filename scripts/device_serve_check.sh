@@ -37,7 +37,9 @@ run)
   export LD_LIBRARY_PATH=$D/lib
   "$D/m3make" --config "$ROOT/configs/models/s2s-14l.json" --seed 1 --dtype bf16 --out "$D/s2s" \
       >"$OUT/make.log" 2>&1 || { cat "$OUT/make.log"; exit 1; }
-  "$D/m3serve" --backend "${M3_SERVE_BACKEND:-cuda}" --model "$D/s2s" --max-batch 64 --listen 127.0.0.1:50051 \
+  # M3_SERVE_FLAGS: more m3serve flags (e.g. "--pipelined-steps false" for an A/B run).
+  # shellcheck disable=SC2086
+  "$D/m3serve" --backend "${M3_SERVE_BACKEND:-cuda}" --model "$D/s2s" --max-batch 64 --listen 127.0.0.1:50051 ${M3_SERVE_FLAGS:-} \
       --metrics-listen 127.0.0.1:9464 >"$OUT/serve.log" 2>&1 &
   server=$!
   for _ in $(seq 120); do "$D/m3cli" health >/dev/null 2>&1 && break; sleep 0.5; done

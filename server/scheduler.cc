@@ -31,9 +31,12 @@ Scheduler::Scheduler(Engine& engine, SchedulerOptions options, ServerMetrics* me
   slots_.resize(n);
   for (auto& s : slots_) s.feed.reserve(512);
   for (int i = n - 1; i >= 0; --i) free_slots_.push_back(i);
-  step_slots_.resize(n);
-  step_tokens_.resize(n);
-  step_sampled_.resize(n);
+  for (SubmittedStep& step : steps_) {
+    step.entries.reserve(n);
+    step.slots.reserve(n);
+    step.tokens.reserve(n);
+    step.sampled.reserve(n);
+  }
   wake_list_.reserve(static_cast<size_t>(n + options.queue_capacity) + 16);
   admitted_.reserve(n);
   rejected_.reserve(static_cast<size_t>(options.queue_capacity) + 1);
@@ -188,6 +191,8 @@ void Scheduler::admit_waiting(Clock::time_point now) {
     s.reply_max_new = 0;
     s.has_sample = false;
     s.generated = 0;
+    s.scheduled = 0;
+    s.in_flight = 0;
     s.turn = 0;
     s.turn_prompt_tokens = 0;
     s.turn_start = s.seq->arrival();
@@ -243,6 +248,12 @@ void Scheduler::service_slot(int i, Clock::time_point now) {
     return;
   }
   if (s.phase == Phase::kReplying) return;
+  if (s.in_flight > 0) {
+    // Its last sample is not back yet: a prompt being fed may grow; anything that needs
+    // that sample (a reply to start, the session's idle clock) waits for it.
+    if (s.phase == Phase::kFeeding && seq.input_changed()) pull_input(s);
+    return;
+  }
   if (!seq.input_changed()) {
     if (now >= idle_deadline(s)) {
       char limit[32];
@@ -265,6 +276,7 @@ void Scheduler::service_slot(int i, Clock::time_point now) {
     }
     // The last input token was fed already: its sample is the reply's first token.
     s.phase = Phase::kReplying;
+    ++s.scheduled;
     emit(i, s.last_sample, now);
     return;
   }
@@ -349,11 +361,24 @@ void Scheduler::end_reply(int i, FinishReason reason, Clock::time_point now) {
   ++s.turn;
   s.reply_requested = false;
   s.generated = 0;
+  s.scheduled = 0;
   s.turn_prompt_tokens = 0;
   s.feed.clear();
   s.fed = 0;
   s.has_sample = false;
-  if (carry >= 0) {
+  StepEntry* fed_already = nullptr;  // the step after this sample's continued the reply
+  if (s.in_flight > 0 && submitted_after_ != nullptr) {
+    for (StepEntry& e : submitted_after_->entries) {
+      if (e.slot == i && e.generation == s.generation) fed_already = &e;
+    }
+  }
+  if (fed_already != nullptr) {
+    // That step fed the sample just emitted (kContinueToken): the carry is in, and what it
+    // samples is kept as a prompt token's.
+    fed_already->use = SampleUse::kKeep;
+    s.turn_prompt_tokens = 1;
+    become_idle(s, now);
+  } else if (carry >= 0) {
     s.feed.push_back(carry);
     s.phase = Phase::kFeeding;
   } else {
@@ -366,6 +391,8 @@ void Scheduler::finish(int i, StreamStatus status, std::string message) {
   Slot& s = slots_[i];
   std::shared_ptr<Sequence> seq = std::move(s.seq);
   s.seq.reset();
+  ++s.generation;  // samples of its steps still queued are dropped when they come back
+  s.in_flight = 0;
   if (seq->summary.turns == 0) seq->summary.prompt_tokens = s.turn_prompt_tokens;
   s.phase = Phase::kFree;
   free_slots_.push_back(i);
@@ -379,6 +406,97 @@ void Scheduler::finish(int i, StreamStatus status, std::string message) {
   idle_cv_.notify_all();
 }
 
+void Scheduler::schedule(int i, SubmittedStep& step, Clock::time_point now) {
+  Slot& s = slots_[i];
+  int32_t token;
+  SampleUse use;
+  if (s.phase == Phase::kFeeding) {
+    token = s.feed[s.fed++];
+    ++s.turn_prompt_tokens;
+    use = SampleUse::kKeep;
+    if (s.fed == s.feed.size()) {
+      if (s.reply_requested) {
+        // This token's sample is the reply's first token.
+        s.phase = Phase::kReplying;
+        ++s.scheduled;
+        use = SampleUse::kEmit;
+      } else {
+        // Input that arrives meanwhile is picked up once the sample is back.
+        become_idle(s, now);
+      }
+    }
+  } else if (s.phase == Phase::kReplying && s.scheduled < s.reply_max_new) {
+    token = kContinueToken;
+    ++s.scheduled;
+    use = SampleUse::kEmit;
+  } else {
+    return;  // idle, or its reply ends with the sample in flight
+  }
+  ++s.in_flight;
+  step.entries.push_back({i, s.generation, use});
+  step.slots.push_back(i);
+  step.tokens.push_back(token);
+}
+
+void Scheduler::submit(SubmittedStep& step) {
+  try {
+    engine_.submit_step(step.slots, step.tokens);
+  } catch (const std::exception& e) {
+    fail_step(step, e);
+    return;
+  }
+  if (metrics_) metrics_->set_batch_size(static_cast<int>(step.size()));
+}
+
+void Scheduler::collect(SubmittedStep& step, SubmittedStep* next) {
+  step.sampled.resize(step.size());  // within the capacity reserved at construction
+  try {
+    engine_.collect_step(step.sampled);
+  } catch (const std::exception& e) {
+    fail_step(step, e);
+    return;
+  }
+  const Clock::time_point now = Clock::now();
+  submitted_after_ = next;
+  for (size_t k = 0; k < step.size(); ++k) {
+    const StepEntry& e = step.entries[k];
+    Slot& s = slots_[e.slot];
+    if (!s.seq || s.generation != e.generation) continue;  // it left meanwhile
+    --s.in_flight;
+    const int32_t token = step.sampled[k];
+    s.has_sample = true;
+    s.last_sample = token;
+    if (e.use == SampleUse::kEmit) {
+      emit(e.slot, token, now);
+    } else if (s.phase == Phase::kIdle && s.in_flight == 0) {
+      s.seq->mark_input_changed();  // what arrived while its prompt was fed
+    }
+  }
+  submitted_after_ = nullptr;
+  step.entries.clear();
+  step.slots.clear();
+  step.tokens.clear();
+  if (metrics_) {
+    const uint64_t replays = engine_.stats().graph_replays;
+    if (replays != graph_replays_seen_) {
+      metrics_->add_graph_replays(replays - graph_replays_seen_);
+      graph_replays_seen_ = replays;
+    }
+  }
+}
+
+void Scheduler::fail_step(SubmittedStep& step, const std::exception& e) {
+  log_->error("engine step failed for {} sequences: {}", step.size(), e.what());
+  for (const StepEntry& entry : step.entries) {
+    const Slot& s = slots_[entry.slot];
+    if (s.seq && s.generation == entry.generation)
+      finish(entry.slot, StreamStatus::kInternal, std::string("engine error: ") + e.what());
+  }
+  step.entries.clear();
+  step.slots.clear();
+  step.tokens.clear();
+}
+
 void Scheduler::run() {
   for (;;) {
     Clock::time_point now = Clock::now();
@@ -389,86 +507,55 @@ void Scheduler::run() {
     admit_waiting(now);
 
     // Token boundary: cancellations, deadlines and new input take effect here.
-    int n = 0;
+    SubmittedStep& step = steps_[newest_];
     Clock::time_point next_idle_deadline = Clock::time_point::max();
     for (int i = 0; i < static_cast<int>(slots_.size()); ++i) {
       if (!slots_[i].seq) continue;
       service_slot(i, now);
-      const Slot& s = slots_[i];
-      if (!s.seq) continue;
-      next_idle_deadline = std::min(next_idle_deadline, idle_deadline(s));
-      if (s.phase == Phase::kFeeding) {
-        step_slots_[n] = i;
-        step_tokens_[n] = s.feed[s.fed];
-        ++n;
-      } else if (s.phase == Phase::kReplying) {
-        step_slots_[n] = i;
-        step_tokens_[n] = kContinueToken;
-        ++n;
-      }
+      if (!slots_[i].seq) continue;
+      next_idle_deadline = std::min(next_idle_deadline, idle_deadline(slots_[i]));
+      schedule(i, step, now);
     }
-
-    if (n == 0) {
-      flusher_.wake_all(&wake_list_);
-      if (metrics_) metrics_->set_batch_size(0);
-      std::unique_lock lock(mu_);
-      // A slot freed in this pass may already serve a waiting request; an idle session's
-      // time may run out while nothing else happens.
-      const auto woken = [&] { return wake_ || stop_ || (!waiting_.empty() && !free_slots_.empty()); };
-      if (next_idle_deadline == Clock::time_point::max()) {
-        cv_.wait(lock, woken);
+    const bool submitted = step.size() > 0;
+    if (submitted) submit(step);
+    SubmittedStep& older = steps_[1 - newest_];
+    const bool collected = queued_;
+    if (queued_) {
+      collect(older, submitted ? &step : nullptr);
+      queued_ = false;
+    }
+    if (step.size() > 0) {  // submitted (a failed submit left it empty)
+      if (options_.pipelined) {
+        queued_ = true;
+        newest_ = 1 - newest_;
       } else {
-        cv_.wait_until(lock, next_idle_deadline, woken);
-      }
-      continue;
-    }
-
-    try {
-      engine_.step(std::span<const int32_t>(step_slots_.data(), n),
-                   std::span<const int32_t>(step_tokens_.data(), n),
-                   std::span<int32_t>(step_sampled_.data(), n));
-    } catch (const std::exception& e) {
-      log_->error("engine step failed for {} sequences: {}", n, e.what());
-      for (int k = 0; k < n; ++k)
-        finish(step_slots_[k], StreamStatus::kInternal, std::string("engine error: ") + e.what());
-      flusher_.wake_all(&wake_list_);
-      continue;
-    }
-    now = Clock::now();
-
-    for (int k = 0; k < n; ++k) {
-      const int i = step_slots_[k];
-      Slot& s = slots_[i];
-      if (!s.seq) continue;
-      const int32_t token = step_sampled_[k];
-      if (s.phase == Phase::kFeeding) {
-        ++s.fed;
-        ++s.turn_prompt_tokens;
-        s.has_sample = true;
-        s.last_sample = token;
-        if (s.fed < s.feed.size()) continue;
-        if (s.reply_requested) {
-          s.phase = Phase::kReplying;
-          emit(i, token, now);
-        } else {
-          become_idle(s, now);
-          // Input that arrived meanwhile is picked up at the next boundary.
-          s.seq->mark_input_changed();
-        }
-      } else {
-        emit(i, token, now);
+        collect(step, nullptr);
       }
     }
 
     flusher_.wake_all(&wake_list_);
-    if (metrics_) {
-      metrics_->set_batch_size(n);
-      const uint64_t replays = engine_.stats().graph_replays;
-      if (replays != graph_replays_seen_) {
-        metrics_->add_graph_replays(replays - graph_replays_seen_);
-        graph_replays_seen_ = replays;
-      }
+    if (submitted || collected) continue;  // slots whose sample just came back may go on
+    if (metrics_) metrics_->set_batch_size(0);
+    std::unique_lock lock(mu_);
+    // A slot freed in this pass may already serve a waiting request; an idle session's
+    // time may run out while nothing else happens.
+    const auto woken = [&] { return wake_ || stop_ || (!waiting_.empty() && !free_slots_.empty()); };
+    if (next_idle_deadline == Clock::time_point::max()) {
+      cv_.wait(lock, woken);
+    } else {
+      cv_.wait_until(lock, next_idle_deadline, woken);
     }
+  }
+  // Stopping: the samples of a step still queued have no one left to go to.
+  if (queued_) {
+    SubmittedStep& older = steps_[1 - newest_];
+    older.sampled.resize(older.size());
+    try {
+      engine_.collect_step(older.sampled);
+    } catch (const std::exception& e) {
+      log_->error("engine step failed while stopping: {}", e.what());
+    }
+    queued_ = false;
   }
 }
 

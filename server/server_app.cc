@@ -69,6 +69,7 @@ ServerApp::ServerApp(const ServerConfig& config, std::shared_ptr<spdlog::logger>
   request_log_ = std::make_unique<RequestLog>(logger_);
   SchedulerOptions scheduler_options;
   scheduler_options.queue_capacity = config_.queue_capacity;
+  scheduler_options.pipelined = config_.pipelined_steps;
   scheduler_options.session_idle_timeout = std::chrono::duration_cast<Clock::duration>(
       std::chrono::duration<double>(config_.session_idle_timeout_s));
   scheduler_ = std::make_unique<Scheduler>(*engine_, scheduler_options, metrics_.get(), logger_);

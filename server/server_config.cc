@@ -44,6 +44,8 @@ const std::vector<Setting>& settings() {
       {"max_batch", &ServerConfig::max_batch, "sequences decoded together (engine slots)"},
       {"queue_capacity", &ServerConfig::queue_capacity,
        "requests that may wait for a slot; beyond: RESOURCE_EXHAUSTED"},
+      {"pipelined_steps", &ServerConfig::pipelined_steps,
+       "submit each decode step before handing out the previous step's tokens (false: one at a time)"},
       {"max_new_tokens_limit", &ServerConfig::max_new_tokens_limit,
        "largest max_new_tokens a request may ask"},
       {"max_prompt_tokens", &ServerConfig::max_prompt_tokens,

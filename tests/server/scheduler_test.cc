@@ -2,6 +2,7 @@
 // beside decoding, leaving within one step, the bounded queue, the session idle timeout.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <condition_variable>
 #include <mutex>
 #include <thread>
@@ -36,9 +37,21 @@ class ScriptedEngine final : public Engine {
     std::lock_guard lock(mu_);
     steps_.push_back(std::move(record));
   }
+  void submit_step(std::span<const int32_t> slots, std::span<const int32_t> tokens) override {
+    {
+      std::lock_guard lock(mu_);
+      queued_at_submit_.push_back(queued_steps());
+    }
+    Engine::submit_step(slots, tokens);
+  }
   EngineStats stats() const override {
     std::lock_guard lock(mu_);
     return {steps_.size(), 0, 0};
+  }
+  // Steps already queued (submitted, not collected) at each submit_step.
+  std::vector<int> queued_at_submit() const {
+    std::lock_guard lock(mu_);
+    return queued_at_submit_;
   }
   std::vector<std::vector<std::pair<int32_t, int32_t>>> steps() const {
     std::lock_guard lock(mu_);
@@ -50,6 +63,7 @@ class ScriptedEngine final : public Engine {
   std::vector<int32_t> last_;
   mutable std::mutex mu_;
   std::vector<std::vector<std::pair<int32_t, int32_t>>> steps_;
+  std::vector<int> queued_at_submit_;
 };
 
 // Drains its sequence's outbox like a stream whose writes complete at once.
@@ -100,10 +114,12 @@ class CollectingWriter final : public StreamWriter {
 };
 
 std::unique_ptr<CollectingWriter> start(Scheduler& scheduler, std::vector<int32_t> prompt,
-                                        uint32_t max_new, Scheduler::Admission* admission = nullptr) {
+                                        uint32_t max_new, Scheduler::Admission* admission = nullptr,
+                                        std::vector<int32_t> stop_ids = {}) {
   auto writer = std::make_unique<CollectingWriter>();
   SequenceParams params;
   params.max_new_tokens = max_new;
+  params.stop_token_ids = std::move(stop_ids);
   writer->seq = std::make_shared<Sequence>(params, 4096, writer.get());
   writer->seq->add_input(prompt);
   writer->seq->end_turn(max_new);
@@ -234,6 +250,60 @@ TEST(SchedulerTest, TheQueueIsBounded) {
   start(scheduler, {3}, 3, &admission);
   EXPECT_EQ(admission.status, StreamStatus::kUnavailable);
   EXPECT_EQ(admission.message, "the server is shutting down");
+}
+
+// Pipelined steps (the default) hand every stream what steps one at a time do, also where
+// a reply ends with a stop token while the next step, already submitted, continued it: a
+// Generate then drops that sample; a session takes that step as its next turn's first
+// input (the reply's last token), so its later turns match too.
+TEST(SchedulerTest, PipelinedStepsStreamWhatStepsOneAtATimeDo) {
+  for (const bool pipelined : {true, false}) {
+    SCOPED_TRACE(pipelined ? "pipelined" : "one at a time");
+    ScriptedEngine engine(3);
+    SchedulerOptions options;
+    options.pipelined = pipelined;
+    Scheduler scheduler(engine, options, nullptr, nullptr);
+    auto stops = start(scheduler, {1}, 50, nullptr, {20});
+    auto plain = start(scheduler, {100, 101}, 5);
+
+    auto session = std::make_unique<CollectingWriter>();
+    SequenceParams params;
+    params.session = true;
+    params.stop_token_ids = {9};
+    session->seq = std::make_shared<Sequence>(params, 4096, session.get());
+    ASSERT_EQ(scheduler.submit(session->seq).status, StreamStatus::kOk);
+    session->seq->add_input(std::vector<int32_t>{5, 6});
+    session->seq->end_turn(10);  // ends at the stop token: 7, 8, 9
+    scheduler.wake();
+    while (session->count() < 3) std::this_thread::sleep_for(1ms);
+    session->seq->end_turn(3);  // no new input: the reply goes on from the carried 9
+    scheduler.wake();
+    while (session->count() < 6) std::this_thread::sleep_for(1ms);
+    session->seq->add_input(std::vector<int32_t>{50});
+    session->seq->end_turn(2);
+    session->seq->close_input();
+    scheduler.wake();
+
+    EXPECT_EQ(stops->wait_closed(), StreamStatus::kOk);
+    std::vector<int32_t> counted;
+    for (int32_t t = 2; t <= 20; ++t) counted.push_back(t);
+    EXPECT_EQ(stops->got(), counted);
+    EXPECT_EQ(plain->wait_closed(), StreamStatus::kOk);
+    EXPECT_EQ(plain->got(), (std::vector<int32_t>{102, 103, 104, 105, 106}));
+    EXPECT_EQ(session->wait_closed(), StreamStatus::kOk);
+    EXPECT_EQ(session->got(), (std::vector<int32_t>{7, 8, 9, 10, 11, 12, 51, 52}));
+
+    // Each step after the first was submitted while the one before it was still queued
+    // (pipelined), or after it was collected.
+    const std::vector<int> queued = engine.queued_at_submit();
+    ASSERT_GE(queued.size(), 19u);  // the longest stream alone takes 19
+    const auto overlapped = std::count(queued.begin(), queued.end(), 1);
+    if (pipelined) {
+      EXPECT_GE(overlapped, 15) << "of " << queued.size() << " steps";
+    } else {
+      EXPECT_EQ(overlapped, 0);
+    }
+  }
 }
 
 }  // namespace

@@ -26,9 +26,10 @@ ServerConfig from_yaml(const std::string& text) {
 TEST(ServerConfigTest, ReadsEveryKindOfValue) {
   ServerConfig c = from_yaml(
       "listen: 127.0.0.1:6000\nbackend: cpu\nmax_batch: 3\nshutdown_grace_s: 2.5\n"
-      "cuda_graphs: false\nmetrics_listen: \"\"\ndeterministic: true\n");
+      "cuda_graphs: false\nmetrics_listen: \"\"\ndeterministic: true\npipelined_steps: false\n");
   EXPECT_EQ(c.listen, "127.0.0.1:6000");
   EXPECT_TRUE(c.deterministic);
+  EXPECT_FALSE(c.pipelined_steps);
   EXPECT_EQ(c.backend, "cpu");
   EXPECT_EQ(c.max_batch, 3);
   EXPECT_EQ(c.shutdown_grace_s, 2.5);
