@@ -4,7 +4,9 @@
 
 #include <algorithm>
 #include <condition_variable>
+#include <deque>
 #include <mutex>
+#include <stdexcept>
 #include <thread>
 
 #include "server/scheduler.h"
@@ -26,6 +28,9 @@ class ScriptedEngine final : public Engine {
   void step(std::span<const int32_t> slots, std::span<const int32_t> tokens,
             std::span<int32_t> sampled, std::span<float>) override {
     std::this_thread::sleep_for(1ms);  // so that requests can arrive mid-stream
+    bool failing = false;
+    for (const int32_t t : tokens) failing |= t == kFailToken;
+    if (failing && !fail_at_collect_) throw std::runtime_error("device lost");
     std::vector<std::pair<int32_t, int32_t>> record;
     for (size_t i = 0; i < slots.size(); ++i) {
       const int32_t in = tokens[i] == kContinueToken ? last_[slots[i]] : tokens[i];
@@ -36,6 +41,7 @@ class ScriptedEngine final : public Engine {
     }
     std::lock_guard lock(mu_);
     steps_.push_back(std::move(record));
+    fails_when_collected_.push_back(failing);
   }
   void submit_step(std::span<const int32_t> slots, std::span<const int32_t> tokens) override {
     {
@@ -43,6 +49,17 @@ class ScriptedEngine final : public Engine {
       queued_at_submit_.push_back(queued_steps());
     }
     Engine::submit_step(slots, tokens);
+  }
+  // A step that feeds kFailToken fails: in step() (so in submit_step), or, with
+  // fail_at_collect, when it is collected.
+  static constexpr int32_t kFailToken = 666;
+  void fail_at_collect() { fail_at_collect_ = true; }
+  void collect_step(std::span<int32_t> sampled) override {
+    Engine::collect_step(sampled);
+    std::lock_guard lock(mu_);
+    const bool failing = fails_when_collected_.front();  // the oldest queued step's
+    fails_when_collected_.pop_front();
+    if (failing) throw std::runtime_error("device lost");
   }
   EngineStats stats() const override {
     std::lock_guard lock(mu_);
@@ -64,6 +81,8 @@ class ScriptedEngine final : public Engine {
   mutable std::mutex mu_;
   std::vector<std::vector<std::pair<int32_t, int32_t>>> steps_;
   std::vector<int> queued_at_submit_;
+  bool fail_at_collect_ = false;
+  std::deque<bool> fails_when_collected_;  // per queued step
 };
 
 // Drains its sequence's outbox like a stream whose writes complete at once.
@@ -303,6 +322,31 @@ TEST(SchedulerTest, PipelinedStepsStreamWhatStepsOneAtATimeDo) {
     } else {
       EXPECT_EQ(overlapped, 0);
     }
+  }
+}
+
+// A step the engine fails (when submitted or when collected) ends the sequences in it with
+// INTERNAL; the sequence beside it in later steps and later requests are served.
+TEST(SchedulerTest, AFailedStepEndsItsSequencesAndTheServerGoesOn) {
+  for (const bool at_collect : {false, true}) {
+    SCOPED_TRACE(at_collect ? "fails when collected" : "fails when submitted");
+    ScriptedEngine engine(2);
+    if (at_collect) engine.fail_at_collect();
+    Scheduler scheduler(engine, {}, nullptr, nullptr);
+    auto steady = start(scheduler, {1}, 300);
+    while (steady->count() < 5) std::this_thread::sleep_for(1ms);
+    auto doomed = start(scheduler, {ScriptedEngine::kFailToken, 3}, 5);
+    EXPECT_EQ(doomed->wait_closed(), StreamStatus::kInternal);
+    EXPECT_EQ(doomed->message(), "engine error: device lost");
+    EXPECT_TRUE(doomed->got().empty());
+    // The sequence decoding beside it was in the failed step too; it ends the same way,
+    // having streamed only what its earlier steps made, in order.
+    EXPECT_EQ(steady->wait_closed(), StreamStatus::kInternal);
+    const std::vector<int32_t> got = steady->got();
+    for (size_t k = 0; k < got.size(); ++k) EXPECT_EQ(got[k], static_cast<int32_t>(2 + k));
+    auto after = start(scheduler, {7}, 3);
+    EXPECT_EQ(after->wait_closed(), StreamStatus::kOk);
+    EXPECT_EQ(after->got(), (std::vector<int32_t>{8, 9, 10}));
   }
 }
 
