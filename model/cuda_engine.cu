@@ -80,6 +80,8 @@ CudaEngine::CudaEngine(const ModelWeights& weights, const EngineOptions& options
   forced_chains_ = std::clamp(kernels::env_int("M3_CUDA_CHAINS", 0), 0, kMaxChains);
   next_step_prefetch_ = kernels::env_int("M3_CUDA_NEXT_STEP_PREFETCH", 1) != 0;
   M3_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  M3_CUDA_CHECK(cudaStreamCreateWithFlags(&table_stream_, cudaStreamNonBlocking));
+  for (auto& e : table_ready_) M3_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
   chain_streams_.resize(kMaxChains - 1);
   join_events_.resize(kMaxChains - 1);
   for (auto& s : chain_streams_) M3_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
@@ -111,7 +113,7 @@ CudaEngine::CudaEngine(const ModelWeights& weights, const EngineOptions& options
   o_ = DeviceBuffer(sizeof(float) * B * c.d_inner(), "mixer output");
   if (c.has_mlp()) act_ = DeviceBuffer(sizeof(float) * B * c.mlp_width(), "mlp activation");
   logits_ = DeviceBuffer(sizeof(float) * B * c.padded_vocab(), "logits");
-  table_ = DeviceBuffer(sizeof(int32_t) * table_ints(), "step table");
+  table_ = DeviceBuffer(sizeof(int32_t) * table_ints() * kMaxQueuedSteps, "step tables");
   params_dev_ = DeviceBuffer(sizeof(kernels::SlotSampling) * n_all, "sampling params");
   counters_ = DeviceBuffer(sizeof(uint64_t) * n_all, "step counters");
   last_token_ = DeviceBuffer(sizeof(int32_t) * n_all, "last sampled tokens");
@@ -126,7 +128,10 @@ CudaEngine::CudaEngine(const ModelWeights& weights, const EngineOptions& options
   auto* th = table_host_.as<int32_t>();
   for (size_t i = 0; i < B; ++i) { th[i] = scratch_slot_; th[B + i] = 0; th[2 * B + i] = 0; }
   th[3 * B] = 0;
-  M3_CUDA_CHECK(cudaMemcpy(table_.get(), th, table_.bytes(), cudaMemcpyHostToDevice));
+  for (int t = 0; t < kMaxQueuedSteps; ++t) {
+    M3_CUDA_CHECK(cudaMemcpy(table_.as<int32_t>() + t * table_ints(), th, sizeof(int32_t) * table_ints(),
+                             cudaMemcpyHostToDevice));
+  }
   params_.assign(n_all, kernels::SlotSampling{});
   has_sample_.assign(max_slots_, 0);
   steps_since_reset_.assign(max_slots_, 0);
@@ -144,10 +149,14 @@ CudaEngine::CudaEngine(const ModelWeights& weights, const EngineOptions& options
 
 CudaEngine::~CudaEngine() {
   if (stream_) cudaStreamSynchronize(stream_);  // queued steps write into pinned buffers freed below
-  for (auto& g : graphs_) {
-    if (g.exec) cudaGraphExecDestroy(g.exec);
-    if (g.graph) cudaGraphDestroy(g.graph);
+  for (auto* set : {&graphs_, &graphs_table1_}) {
+    for (auto& g : *set) {
+      if (g.exec) cudaGraphExecDestroy(g.exec);
+      if (g.graph) cudaGraphDestroy(g.graph);
+    }
   }
+  for (auto e : table_ready_) if (e) cudaEventDestroy(e);
+  if (table_stream_) cudaStreamDestroy(table_stream_);
   for (auto e : timing_events_) cudaEventDestroy(e);
   for (auto e : step_done_) if (e) cudaEventDestroy(e);
   for (auto e : join_events_) if (e) cudaEventDestroy(e);
@@ -167,14 +176,15 @@ void CudaEngine::build_plans() {
       if (!seen) candidates.push_back(std::move(g));
     }
     graphs_.push_back(choose_step_variant(std::move(candidates)));
+    graphs_table1_.push_back(plan_step(batch, graphs_.back().variant, 1));
   }
 }
 
-DecodeGraph CudaEngine::plan_step(int batch, StepVariant variant) const {
+DecodeGraph CudaEngine::plan_step(int batch, StepVariant variant, int table) const {
   const ModelConfig& c = config_;
   const auto L = c.in_proj_layout();
   const int B = max_bucket_;
-  auto* slots = table_.as<int32_t>();
+  auto* slots = table_.as<int32_t>() + table * table_ints();
   auto* tokens = slots + B;
   auto* parities = slots + 2 * B;
   const int32_t* sampled_offset = slots + 3 * B;
@@ -412,10 +422,11 @@ void CudaEngine::capture_graphs() {
   for (DecodeGraph& g : graphs_) {
     if (g.exec == nullptr) capture(g);  // the candidates of tuned buckets already are
   }
+  for (DecodeGraph& g : graphs_table1_) capture(g);
 }
 
-const DecodeGraph& CudaEngine::graph_for_batch(int batch) const {
-  return graphs_[bucket_of_batch_[batch]];
+const DecodeGraph& CudaEngine::graph_for_batch(int batch, int table) const {
+  return (table == 0 ? graphs_ : graphs_table1_)[bucket_of_batch_[batch]];
 }
 
 int CudaEngine::kernels_per_step(int batch) const {
@@ -519,7 +530,7 @@ void CudaEngine::submit(std::span<const int32_t> slots, std::span<const int32_t>
 
   // This step's place in the queue's ring picks its host-side table, parameters and ids.
   const int q = (queued_head_ + queued_count_) % kMaxQueuedSteps;
-  const DecodeGraph& g = graph_for_batch(static_cast<int>(n));
+  const DecodeGraph& g = graph_for_batch(static_cast<int>(n), q);
   const int B = max_bucket_;
   auto* th = table_host_.as<int32_t>() + q * table_ints();
   for (size_t i = 0; i < n; ++i) {
@@ -535,7 +546,12 @@ void CudaEngine::submit(std::span<const int32_t> slots, std::span<const int32_t>
     M3_CUDA_CHECK(cudaMemcpyAsync(params_dev_.get(), ph, params_dev_.bytes(), cudaMemcpyHostToDevice, stream_));
     params_dirty_ = false;
   }
-  M3_CUDA_CHECK(cudaMemcpyAsync(table_.get(), th, table_.bytes(), cudaMemcpyHostToDevice, stream_));
+  // Table q's last reader is the step collected before this one took position q, so the
+  // copy may run at once, beside the step now on the device.
+  M3_CUDA_CHECK(cudaMemcpyAsync(table_.as<int32_t>() + q * table_ints(), th, sizeof(int32_t) * table_ints(),
+                                cudaMemcpyHostToDevice, table_stream_));
+  M3_CUDA_CHECK(cudaEventRecord(table_ready_[q], table_stream_));
+  M3_CUDA_CHECK(cudaStreamWaitEvent(stream_, table_ready_[q], 0));
   run_plan(g, use_graphs_);
   if (!logits.empty()) {
     M3_CUDA_CHECK(cudaMemcpyAsync(logits.data(), logits_.get(), sizeof(float) * n * V,

@@ -96,7 +96,8 @@ class CudaEngine final : public Engine {
 
  private:
   void build_plans();
-  DecodeGraph plan_step(int batch, StepVariant variant) const;
+  // The step reads the device table `table` (0 or 1: see table_).
+  DecodeGraph plan_step(int batch, StepVariant variant, int table = 0) const;
   std::vector<StepVariant> step_variant_candidates(int batch) const;
   DecodeGraph choose_step_variant(std::vector<DecodeGraph> candidates);
   float replay_group_us(const DecodeGraph& g, bool use_graph, int group);
@@ -109,7 +110,7 @@ class CudaEngine final : public Engine {
   // the step counts as done.
   void submit(std::span<const int32_t> slots, std::span<const int32_t> tokens, std::span<float> logits);
   int chains_for_batch(int batch) const;
-  const DecodeGraph& graph_for_batch(int batch) const;
+  const DecodeGraph& graph_for_batch(int batch, int table = 0) const;
 
   ModelConfig config_;
   int max_slots_ = 0;
@@ -144,9 +145,13 @@ class CudaEngine final : public Engine {
 
   DeviceBuffer state_;       // [max_slots + 1][n_layer][layout_.floats]
   DeviceBuffer res_, w_, o_, act_, logits_;
-  // int32 [table_ints()]: slots, tokens, state parities (max_bucket each), then where in
-  // sampled_host_ the step's ids go (0 or max_bucket).
+  // Two step tables, one per position in the queue's ring, each int32 [table_ints()]:
+  // slots, tokens, state parities (max_bucket each), then where in sampled_host_ the
+  // step's ids go (0 or max_bucket). A queued step's table is copied on table_stream_
+  // while the step before it runs (the other table), so no copy sits between two steps.
   DeviceBuffer table_;
+  cudaStream_t table_stream_ = nullptr;
+  cudaEvent_t table_ready_[kMaxQueuedSteps] = {};
   DeviceBuffer params_dev_;  // SlotSampling [max_slots + 1]
   DeviceBuffer counters_;    // uint64 [max_slots + 1]
   DeviceBuffer last_token_;  // int32 [max_slots + 1]
@@ -163,7 +168,8 @@ class CudaEngine final : public Engine {
 
   std::vector<int> bucket_sizes_;
   std::vector<int> bucket_of_batch_;  // index into graphs_ for 1..max_slots
-  std::vector<DecodeGraph> graphs_;
+  std::vector<DecodeGraph> graphs_;   // per bucket, reading table 0 (m3bench's replays too)
+  std::vector<DecodeGraph> graphs_table1_;  // the same steps reading table 1
   std::vector<cudaEvent_t> timing_events_;
 
   bool params_dirty_ = true;
