@@ -1,7 +1,7 @@
 // The decode step allocates nothing: this binary replaces the global operator new with
 // one that counts (on every thread, the engine's workers included) and asserts that
-// steps after the first allocate zero times, with prefill, continue tokens and every
-// sampling mode in the mix.
+// steps after the first allocate zero times, with prefill, continue tokens, every
+// sampling mode and queued (submitted, then collected) steps in the mix.
 #include <gtest/gtest.h>
 
 #include <atomic>
@@ -68,6 +68,12 @@ TEST(CpuEngineAllocation, StepsAllocateNothing) {
   std::vector<int32_t> sampled(4);
   std::vector<float> logits(4 * static_cast<size_t>(c.padded_vocab()));
   engine->step(all, first, sampled, logits);  // warm-up
+  // ... and the queue of submitted steps (the server's way): its sample buffers grow to
+  // the batch once, at each of its two places.
+  for (int i = 0; i < 2; ++i) {
+    engine->submit_step(all, cont);
+    engine->collect_step(sampled);
+  }
 
   const std::vector<int32_t> pair = {3, 1}, pair_tokens = {-1, 100};
   g_allocations = 0;
@@ -78,6 +84,10 @@ TEST(CpuEngineAllocation, StepsAllocateNothing) {
     engine->reset(0);
     engine->step(std::span<const int32_t>(all.data(), 1), std::span<const int32_t>(first.data(), 1),
                  std::span<int32_t>(sampled.data(), 1));
+    engine->submit_step(all, cont);
+    engine->submit_step(pair, pair_tokens);
+    engine->collect_step(sampled);
+    engine->collect_step(std::span<int32_t>(sampled.data(), 2));
   }
   g_counting = false;
   EXPECT_EQ(g_allocations.load(), 0);
