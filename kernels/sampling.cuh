@@ -11,9 +11,8 @@
 //
 // Only the logits may come from the kernel launched before it in the stream: slots,
 // params, counters and the output offset are read before the programmatic-dependent-launch
-// wait, so they
-// must be complete when the step's first kernel starts (the engine writes them between
-// steps).
+// wait, so they must be complete when the step's first kernel starts (the engine writes
+// them between steps).
 #pragma once
 
 #include <cstdint>

@@ -78,9 +78,10 @@ class CudaEngine final : public Engine {
   int kernels_per_step(int batch) const;
   int bucket_for(int batch) const { return graph_for_batch(batch).batch; }
   // Replays the step of the bucket that serves `batch` sequences about `iters` times on
-  // the device table as the last step() left it (graph or direct launches), back to back
-  // in groups of 10 between CUDA events; returns each group's mean microseconds per step.
-  // The replays bypass step()'s bookkeeping: reset the slots before real use.
+  // device table 0 as the last step submitted at queue position 0 left it (graph or
+  // direct launches), back to back in groups of 10 between CUDA events; returns each
+  // group's mean microseconds per step. The replays bypass step()'s bookkeeping: reset
+  // the slots before real use.
   std::vector<float> time_replays(int batch, int iters, bool use_graph);
   // Each kernel of the step run alone `reps` times back to back (no graph, no overlap):
   // the mean device time of one run, per launch in step order. Leaves the state of the
