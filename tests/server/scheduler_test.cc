@@ -1,5 +1,6 @@
 // The scheduler against a scripted engine that records every step: batching, prefill
-// beside decoding, leaving within one step, the bounded queue, the session idle timeout.
+// beside decoding, leaving within one step, the bounded queue, the session idle timeout,
+// pipelined steps against steps one at a time, failed steps.
 #include <gtest/gtest.h>
 
 #include <algorithm>
