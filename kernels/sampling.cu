@@ -89,12 +89,11 @@ __global__ void __launch_bounds__(kThreads) sampling_kernel(const SamplingParams
     prefetch_l2(a.prefetch, b - a.batch, a.prefetch_blocks);
     return;
   }
-  // The slot table, parameters, counters and output offset are the step's inputs, not the
-  // previous kernel's outputs (sampling.cuh): their loads go before the wait.
+  // The slot table, parameters and counters are the step's inputs, not the previous
+  // kernel's outputs (sampling.cuh): their two dependent loads go before the wait.
   const int slot = a.slots[b];
   const SlotSampling sp = a.params[slot];
   const uint64_t counter = a.counters[slot];
-  int32_t* const out = a.sampled + (a.sampled_offset != nullptr ? *a.sampled_offset : 0) + b;
   wait_for_previous_kernel();
   const float* l = a.logits + (int64_t)b * a.logits_stride;
   const int V = a.vocab;
@@ -184,7 +183,7 @@ __global__ void __launch_bounds__(kThreads) sampling_kernel(const SamplingParams
   }
   allow_next_kernel();
   if (threadIdx.x == 0) {
-    *out = chosen;
+    a.sampled[b] = chosen;
     a.last_token[slot] = chosen;
     a.counters[slot] = counter + 1;
   }

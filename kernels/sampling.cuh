@@ -5,14 +5,13 @@
 // (logit, then lower id first), and the top-k cut, the top-p cut and the draw are each a
 // bitwise search for a key threshold over block-wide counts and sums.
 //
-// Afterwards the sampled id goes to sampled[*sampled_offset + b] and last_token[slot]
-// (next step's input when the host passes kContinueToken) and the slot's counter advances
-// by one.
+// Afterwards the sampled id goes to sampled[b] and last_token[slot] (next step's input
+// when the host passes kContinueToken) and the slot's counter advances by one.
 //
 // Only the logits may come from the kernel launched before it in the stream: slots,
-// params, counters and the output offset are read before the programmatic-dependent-launch
-// wait, so they must be complete when the step's first kernel starts (the engine writes
-// them between steps).
+// params and counters are read before the programmatic-dependent-launch wait, so they
+// must be complete when the step's first kernel starts (the engine writes them between
+// steps).
 #pragma once
 
 #include <cstdint>
@@ -39,11 +38,7 @@ struct SamplingArgs {
   const SlotSampling* params = nullptr;     // [n_slots]
   uint64_t* counters = nullptr;             // [n_slots]
   int32_t* last_token = nullptr;            // [n_slots]
-  int32_t* sampled = nullptr;               // [*sampled_offset + batch]
-  // Where this step's ids go in `sampled`, read on the device (null: 0): the engine
-  // alternates two halves of a host buffer so that the host reads one step's ids while
-  // the next step runs.
-  const int32_t* sampled_offset = nullptr;
+  int32_t* sampled = nullptr;               // [batch]
   int batch = 0;
   // Pulled into L2 by `prefetch_blocks` extra blocks once the logits are in: the next
   // step's first weights, which nothing else could load early (a step's first kernel has

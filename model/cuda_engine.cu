@@ -120,6 +120,10 @@ CudaEngine::CudaEngine(const ModelWeights& weights, const EngineOptions& options
   table_host_ = PinnedBuffer(sizeof(int32_t) * table_ints() * kMaxQueuedSteps, "step tables (host)");
   sampled_host_ = PinnedBuffer(sizeof(int32_t) * B * kMaxQueuedSteps, "sampled ids (host)");
   params_host_ = PinnedBuffer(sizeof(kernels::SlotSampling) * n_all * kMaxQueuedSteps, "sampling params (host)");
+  // The sampling kernels write the ids straight into pinned host memory: a device-to-host
+  // copy after the graph cost each step() call about 5 us of wall time at batch 1 to 16
+  // (H200, PERFORMANCE_NOTES.md run 177), none of device time.
+  M3_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&sampled_mapped_), sampled_host_.as<void>(), 0));
 
   M3_CUDA_CHECK(cudaMemset(state_.get(), 0, state_.bytes()));
   M3_CUDA_CHECK(cudaMemset(res_.get(), 0, res_.bytes()));
@@ -127,7 +131,6 @@ CudaEngine::CudaEngine(const ModelWeights& weights, const EngineOptions& options
   M3_CUDA_CHECK(cudaMemset(last_token_.get(), 0, last_token_.bytes()));
   auto* th = table_host_.as<int32_t>();
   for (size_t i = 0; i < B; ++i) { th[i] = scratch_slot_; th[B + i] = 0; th[2 * B + i] = 0; }
-  th[3 * B] = 0;
   for (int t = 0; t < kMaxQueuedSteps; ++t) {
     M3_CUDA_CHECK(cudaMemcpy(table_.as<int32_t>() + t * table_ints(), th, sizeof(int32_t) * table_ints(),
                              cudaMemcpyHostToDevice));
@@ -187,12 +190,7 @@ DecodeGraph CudaEngine::plan_step(int batch, StepVariant variant, int table) con
   auto* slots = table_.as<int32_t>() + table * table_ints();
   auto* tokens = slots + B;
   auto* parities = slots + 2 * B;
-  const int32_t* sampled_offset = slots + 3 * B;
-  // The sampling kernels write the ids straight into pinned host memory: a device-to-host
-  // copy after the graph cost each step() call about 5 us of wall time at batch 1 to 16
-  // (H200, PERFORMANCE_NOTES.md run 177), none of device time.
-  int32_t* sampled_mapped = nullptr;
-  M3_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&sampled_mapped), sampled_host_.as<void>(), 0));
+  int32_t* sampled = sampled_mapped_ + table * B;
   bool any_out_proj_fused = false;
   int fused_cluster = 0;  // as planned (the tensor-core kernel's)
   // One chain: the whole step (embedding, every layer, lm_head, sampling) for batch rows
@@ -336,8 +334,7 @@ DecodeGraph CudaEngine::plan_step(int batch, StepVariant variant, int table) con
     s.params = params_dev_.as<kernels::SlotSampling>();
     s.counters = counters_.as<uint64_t>();
     s.last_token = last_token_.as<int32_t>();
-    s.sampled = sampled_mapped + row0;
-    s.sampled_offset = sampled_offset;
+    s.sampled = sampled + row0;
     s.batch = rows;
     if (next_step_prefetch_) {
       // This chain's share of the first in_proj's weights, for the next step; one block a
@@ -468,8 +465,8 @@ void CudaEngine::set_sampling(int slot, const SamplingParams& params) {
 
 void CudaEngine::step(std::span<const int32_t> slots, std::span<const int32_t> tokens,
                       std::span<int32_t> sampled, std::span<float> logits) {
-  if (queued_count_ != 0) {
-    throw std::logic_error("step: " + std::to_string(queued_count_) +
+  if (queued_steps() != 0) {
+    throw std::logic_error("step: " + std::to_string(queued_steps()) +
                            " submitted steps are not collected yet; collect_step() them first");
   }
   const size_t n = slots.size(), V = static_cast<size_t>(config_.padded_vocab());
@@ -501,10 +498,9 @@ void CudaEngine::submit(std::span<const int32_t> slots, std::span<const int32_t>
     throw std::invalid_argument("step: " + std::to_string(n) + " slots, more than max_slots " +
                                 std::to_string(max_slots_));
   }
-  if (queued_count_ == kMaxQueuedSteps) {
-    throw std::logic_error("submit_step: " + std::to_string(kMaxQueuedSteps) +
-                           " steps are queued already; collect_step() one first");
-  }
+  // This step's place in the queue's ring picks its host-side table, parameters, ids and
+  // graph (which reads that place's device table).
+  const int q = queue_position_for_submit();
   ++step_serial_;
   for (size_t i = 0; i < n; ++i) {
     const int slot = slots[i];
@@ -528,8 +524,6 @@ void CudaEngine::submit(std::span<const int32_t> slots, std::span<const int32_t>
     }
   }
 
-  // This step's place in the queue's ring picks its host-side table, parameters and ids.
-  const int q = (queued_head_ + queued_count_) % kMaxQueuedSteps;
   const DecodeGraph& g = graph_for_batch(static_cast<int>(n), q);
   const int B = max_bucket_;
   auto* th = table_host_.as<int32_t>() + q * table_ints();
@@ -539,7 +533,6 @@ void CudaEngine::submit(std::span<const int32_t> slots, std::span<const int32_t>
     th[2 * B + i] = static_cast<int32_t>(steps_since_reset_[slots[i]] & 1);
   }
   for (int i = static_cast<int>(n); i < g.batch; ++i) { th[i] = scratch_slot_; th[B + i] = 0; th[2 * B + i] = 0; }
-  th[3 * B] = q * B;
   if (params_dirty_) {
     auto* ph = params_host_.as<kernels::SlotSampling>() + q * params_.size();
     std::copy(params_.begin(), params_.end(), ph);
@@ -563,25 +556,18 @@ void CudaEngine::submit(std::span<const int32_t> slots, std::span<const int32_t>
     has_sample_[slots[i]] = 1;
     ++steps_since_reset_[slots[i]];
   }
-  queued_batch_[q] = static_cast<int>(n);
-  ++queued_count_;
+  queue_push(n);
   ++stats_.steps;
   if (use_graphs_) ++stats_.graph_replays;
   stats_.tokens += n;
 }
 
 void CudaEngine::collect_step(std::span<int32_t> sampled) {
-  if (queued_count_ == 0) throw std::logic_error("collect_step: no step is queued");
-  const int q = queued_head_;
-  if (sampled.size() != static_cast<size_t>(queued_batch_[q])) {
-    throw std::invalid_argument("collect_step: the step has " + std::to_string(queued_batch_[q]) +
-                                " slots but " + std::to_string(sampled.size()) + " sampled entries");
-  }
+  const int q = queue_position_for_collect(sampled);
   M3_CUDA_CHECK(cudaEventSynchronize(step_done_[q]));
   const int32_t* sh = sampled_host_.as<int32_t>() + static_cast<size_t>(q) * max_bucket_;
   std::copy(sh, sh + sampled.size(), sampled.begin());
-  queued_head_ = (queued_head_ + 1) % kMaxQueuedSteps;
-  --queued_count_;
+  queue_pop();
 }
 
 std::vector<float> CudaEngine::time_replays(int batch, int iters, bool use_graph) {

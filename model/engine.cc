@@ -8,27 +8,45 @@
 
 namespace m3 {
 
-void Engine::submit_step(std::span<const int32_t> slots, std::span<const int32_t> tokens) {
+int Engine::queue_position_for_submit() const {
   if (queued_count_ == kMaxQueuedSteps) {
     throw std::logic_error("submit_step: " + std::to_string(kMaxQueuedSteps) +
                            " steps are queued already; collect_step() one first");
   }
-  std::vector<int32_t>& samples = queued_samples_[(queued_head_ + queued_count_) % kMaxQueuedSteps];
+  return (queued_head_ + queued_count_) % kMaxQueuedSteps;
+}
+
+void Engine::queue_push(size_t slots) {
+  queued_slots_[queue_position_for_submit()] = slots;
+  ++queued_count_;
+}
+
+int Engine::queue_position_for_collect(std::span<int32_t> sampled) const {
+  if (queued_count_ == 0) throw std::logic_error("collect_step: no step is queued");
+  const size_t slots = queued_slots_[queued_head_];
+  if (sampled.size() != slots) {
+    throw std::invalid_argument("collect_step: the step has " + std::to_string(slots) + " slots but " +
+                                std::to_string(sampled.size()) + " sampled entries");
+  }
+  return queued_head_;
+}
+
+void Engine::queue_pop() {
+  queued_head_ = (queued_head_ + 1) % kMaxQueuedSteps;
+  --queued_count_;
+}
+
+void Engine::submit_step(std::span<const int32_t> slots, std::span<const int32_t> tokens) {
+  std::vector<int32_t>& samples = queued_samples_[queue_position_for_submit()];
   samples.resize(slots.size());  // grows to the largest batch once, then never allocates
   step(slots, tokens, samples);
-  if (!slots.empty()) ++queued_count_;
+  if (!slots.empty()) queue_push(slots.size());
 }
 
 void Engine::collect_step(std::span<int32_t> sampled) {
-  if (queued_count_ == 0) throw std::logic_error("collect_step: no step is queued");
-  const std::vector<int32_t>& samples = queued_samples_[queued_head_];
-  if (sampled.size() != samples.size()) {
-    throw std::invalid_argument("collect_step: the step has " + std::to_string(samples.size()) +
-                                " slots but " + std::to_string(sampled.size()) + " sampled entries");
-  }
+  const std::vector<int32_t>& samples = queued_samples_[queue_position_for_collect(sampled)];
   std::copy(samples.begin(), samples.end(), sampled.begin());
-  queued_head_ = (queued_head_ + 1) % kMaxQueuedSteps;
-  --queued_count_;
+  queue_pop();
 }
 
 }  // namespace m3

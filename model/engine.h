@@ -97,11 +97,19 @@ class Engine {
   virtual std::string load_report() const { return {}; }
 
  protected:
-  // The queue of submitted, not yet collected steps: its head and length. Engines that
-  // override submit_step / collect_step keep these too (queued_steps() reads them).
-  int queued_head_ = 0, queued_count_ = 0;
+  // The queue of submitted, not yet collected steps, for every implementation of
+  // submit_step / collect_step: the position a step submitted now takes (throws when the
+  // queue is full) and recording it there with its slot count; the position of the step
+  // collect_step() gives out (throws when there is none, or when `sampled` does not fit
+  // its slot count) and dropping it.
+  int queue_position_for_submit() const;
+  void queue_push(size_t slots);
+  int queue_position_for_collect(std::span<int32_t> sampled) const;
+  void queue_pop();
 
  private:
+  int queued_head_ = 0, queued_count_ = 0;
+  size_t queued_slots_[kMaxQueuedSteps] = {};              // slot count, per queued step
   std::vector<int32_t> queued_samples_[kMaxQueuedSteps];  // the default's samples, per queued step
 };
 

@@ -97,7 +97,8 @@ class CudaEngine final : public Engine {
 
  private:
   void build_plans();
-  // The step reads the device table `table` (0 or 1: see table_).
+  // The step reads the device table `table` (0 or 1: see table_) and writes its ids into
+  // that position's part of sampled_host_.
   DecodeGraph plan_step(int batch, StepVariant variant, int table = 0) const;
   std::vector<StepVariant> step_variant_candidates(int batch) const;
   DecodeGraph choose_step_variant(std::vector<DecodeGraph> candidates);
@@ -147,9 +148,9 @@ class CudaEngine final : public Engine {
   DeviceBuffer state_;       // [max_slots + 1][n_layer][layout_.floats]
   DeviceBuffer res_, w_, o_, act_, logits_;
   // Two step tables, one per position in the queue's ring, each int32 [table_ints()]:
-  // slots, tokens, state parities (max_bucket each), then where in sampled_host_ the
-  // step's ids go (0 or max_bucket). A queued step's table is copied on table_stream_
-  // while the step before it runs (the other table), so no copy sits between two steps.
+  // slots, tokens, state parities (max_bucket each). A queued step's table is copied on
+  // table_stream_ while the step before it runs (the other table), so no copy sits
+  // between two steps.
   DeviceBuffer table_;
   cudaStream_t table_stream_ = nullptr;
   cudaEvent_t table_ready_[kMaxQueuedSteps] = {};
@@ -158,13 +159,14 @@ class CudaEngine final : public Engine {
   DeviceBuffer last_token_;  // int32 [max_slots + 1]
   // Per queued step (kMaxQueuedSteps of each, by position in the queue's ring): the table
   // and sampling parameters it copies to the device (a later step's host side must not
-  // change them before the copies run), its ids (written by the sampling kernels) and the
-  // event that says it is done.
+  // change them before the copies run), its ids (written by the sampling kernels of the
+  // graphs of its position: max_bucket from position * max_bucket) and the event that says
+  // it is done.
   PinnedBuffer table_host_, params_host_;
   PinnedBuffer sampled_host_;
+  int32_t* sampled_mapped_ = nullptr;  // sampled_host_ as the device addresses it
   cudaEvent_t step_done_[kMaxQueuedSteps] = {};
-  int queued_batch_[kMaxQueuedSteps] = {};
-  size_t table_ints() const { return 3 * static_cast<size_t>(max_bucket_) + 1; }
+  size_t table_ints() const { return 3 * static_cast<size_t>(max_bucket_); }
   std::vector<kernels::SlotSampling> params_;  // as set_sampling left them
 
   std::vector<int> bucket_sizes_;
