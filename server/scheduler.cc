@@ -473,9 +473,7 @@ void Scheduler::collect(SubmittedStep& step, SubmittedStep* next) {
     }
   }
   submitted_after_ = nullptr;
-  step.entries.clear();
-  step.slots.clear();
-  step.tokens.clear();
+  step.clear();
   if (metrics_) {
     const uint64_t replays = engine_.stats().graph_replays;
     if (replays != graph_replays_seen_) {
@@ -492,9 +490,7 @@ void Scheduler::fail_step(SubmittedStep& step, const std::exception& e) {
     if (s.seq && s.generation == entry.generation)
       finish(entry.slot, StreamStatus::kInternal, std::string("engine error: ") + e.what());
   }
-  step.entries.clear();
-  step.slots.clear();
-  step.tokens.clear();
+  step.clear();
 }
 
 void Scheduler::run() {
@@ -546,15 +542,10 @@ void Scheduler::run() {
       cv_.wait_until(lock, next_idle_deadline, woken);
     }
   }
-  // Stopping: the samples of a step still queued have no one left to go to.
+  // Stopping: every sequence has left, so a step still queued is collected only to leave
+  // the engine with none (its samples are dropped).
   if (queued_) {
-    SubmittedStep& older = steps_[1 - newest_];
-    older.sampled.resize(older.size());
-    try {
-      engine_.collect_step(older.sampled);
-    } catch (const std::exception& e) {
-      log_->error("engine step failed while stopping: {}", e.what());
-    }
+    collect(steps_[1 - newest_], nullptr);
     queued_ = false;
   }
 }

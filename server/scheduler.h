@@ -98,6 +98,11 @@ class Scheduler {
     std::vector<StepEntry> entries;
     std::vector<int32_t> slots, tokens, sampled;
     size_t size() const { return entries.size(); }
+    void clear() {
+      entries.clear();
+      slots.clear();
+      tokens.clear();
+    }
   };
   struct Slot {
     std::shared_ptr<Sequence> seq;
