@@ -460,12 +460,15 @@ TEST_F(CudaEngineTest, PipelinedStepsSampleWhatStepsOneAtATimeDo) {
   std::vector<int32_t> out(slots.size());
   e->submit_step(slots, tokens);
   e->submit_step(slots, tokens);
-  EXPECT_THROW(e->submit_step(slots, tokens), std::logic_error);
-  EXPECT_THROW(e->step(slots, tokens, out), std::logic_error);
-  EXPECT_THROW(e->collect_step(std::span<int32_t>(out.data(), 1)), std::invalid_argument);
+  EXPECT_EQ(test::error_of<std::logic_error>([&] { e->submit_step(slots, tokens); }),
+            "submit_step: 2 steps are queued already; collect_step() one first");
+  EXPECT_EQ(test::error_of<std::logic_error>([&] { e->step(slots, tokens, out); }),
+            "step: 2 submitted steps are not collected yet; collect_step() them first");
+  EXPECT_EQ(test::error_of<std::invalid_argument>([&] { e->collect_step(std::span<int32_t>(out.data(), 1)); }),
+            "collect_step: the step has " + std::to_string(slots.size()) + " slots but 1 sampled entries");
   e->collect_step(out);
   e->collect_step(out);
-  EXPECT_THROW(e->collect_step(out), std::logic_error);
+  EXPECT_EQ(test::error_of<std::logic_error>([&] { e->collect_step(out); }), "collect_step: no step is queued");
 }
 
 TEST_F(CudaEngineTest, ResetStartsTheSequenceAgain) {
