@@ -106,6 +106,40 @@ __device__ __forceinline__ float bf16_bits_to_float(uint16_t bits) {
   return __uint_as_float(static_cast<uint32_t>(bits) << 16);
 }
 
+// 16 bytes of data a step reads once (weights), in the two load forms that beat a plain
+// __ldg somewhere (H200, s2s-14l, PERFORMANCE_NOTES.md run 204, each against plain loads
+// in the same call, us a step):
+// - not kept in L1 (`.L1::no_allocate`): the CUDA-core gemvs of batch 1 and 2 and the
+//   fused recurrence's out_proj columns, batch 1 120.6 -> 118.8, batch 2 the same; in
+//   every gemv it lost from batch 4 (b4 170 -> 176, b32 434 -> 445);
+// - fetched from DRAM in 256-byte pieces (`.L2::256B`): the tensor-core gemvs (batch 2 and
+//   up), batch 8 214.3 -> 211.3, 16 287.2 -> 284.9, the rest unchanged; in the batch-1 gemv
+//   it lost (121 -> 122).
+// asm volatile keeps them in program order with the PDL wait, so those issued before it
+// stay before it (scripts/check_pdl_sass.sh).
+__device__ __forceinline__ uint4 load16_no_l1(const void* p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+#else
+  return __ldg(static_cast<const uint4*>(p));
+#endif
+}
+__device__ __forceinline__ uint4 load16_l2_256(const void* p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  uint4 v;
+  asm volatile("ld.global.nc.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+#else
+  return __ldg(static_cast<const uint4*>(p));
+#endif
+}
+
 // Eight consecutive weights widened to float. W is 16-byte aligned at element i.
 __device__ __forceinline__ void load8(const __nv_bfloat16* w, float (&out)[8]) {
   const uint4 v = __ldg(reinterpret_cast<const uint4*>(w));

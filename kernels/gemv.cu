@@ -25,7 +25,11 @@ struct WeightChunk;  // 8 consecutive weights as raw 16-byte words
 template <>
 struct WeightChunk<__nv_bfloat16> {
   uint4 v;
-  __device__ __forceinline__ void load(const __nv_bfloat16* p) { v = __ldg(reinterpret_cast<const uint4*>(p)); }
+  // kNoL1: load16_no_l1 (common.cuh) instead of __ldg.
+  template <bool kNoL1>
+  __device__ __forceinline__ void load(const __nv_bfloat16* p) {
+    v = kNoL1 ? load16_no_l1(p) : __ldg(reinterpret_cast<const uint4*>(p));
+  }
   __device__ __forceinline__ void widen(float (&f)[8]) const {
     const uint32_t w[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
@@ -38,6 +42,7 @@ struct WeightChunk<__nv_bfloat16> {
 template <>
 struct WeightChunk<float> {
   float4 a, b;
+  template <bool>
   __device__ __forceinline__ void load(const float* p) {
     a = __ldg(reinterpret_cast<const float4*>(p));
     b = __ldg(reinterpret_cast<const float4*>(p) + 1);
@@ -70,6 +75,7 @@ __global__ void __launch_bounds__(kThreads, kGather && BT == 1 && sizeof(W) == 2
     gemv_kernel(const GemvParams<W> p) {
   constexpr int NW = (E == GemvEpilogue::GatedSilu) ? 2 : 1;  // weight rows per output row
   constexpr int NR = RPW * NW;
+  constexpr bool kNoL1 = BT <= 2;  // the batch-1 and -2 kernels (load16_no_l1, common.cuh)
   extern __shared__ float4 smem4[];
   float* xs = reinterpret_cast<float*>(smem4);  // [BT][cols]
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -92,7 +98,7 @@ __global__ void __launch_bounds__(kThreads, kGather && BT == 1 && sizeof(W) == 2
     const int c = lane + 32 * j;
     if (c < chunks) {
 #pragma unroll
-      for (int i = 0; i < NR; ++i) wc[i][j].load(wrow[i] + c * 8);
+      for (int i = 0; i < NR; ++i) wc[i][j].template load<kNoL1>(wrow[i] + c * 8);
     }
   }
 
@@ -158,7 +164,7 @@ __global__ void __launch_bounds__(kThreads, kGather && BT == 1 && sizeof(W) == 2
         const int c = pass0 + lane + 32 * j;
         if (c < chunks) {
 #pragma unroll
-          for (int i = 0; i < NR; ++i) wc[i][j].load(wrow[i] + c * 8);
+          for (int i = 0; i < NR; ++i) wc[i][j].template load<kNoL1>(wrow[i] + c * 8);
         }
       }
     }

@@ -65,8 +65,8 @@ __global__ void __launch_bounds__(kThreads) gemv_mma_kernel(const MmaParams p) {
   for (int j = 0; j < kHeld; ++j) {
     const int kb = warp + kWarps * j;
     if (kb < kblocks) {
-      ha[j] = __ldg(reinterpret_cast<const uint4*>(wa + kb * 32));
-      hb[j] = __ldg(reinterpret_cast<const uint4*>(wb + kb * 32));
+      ha[j] = load16_l2_256(wa + kb * 32);
+      hb[j] = load16_l2_256(wb + kb * 32);
     }
   }
 
@@ -119,8 +119,8 @@ __global__ void __launch_bounds__(kThreads) gemv_mma_kernel(const MmaParams p) {
     if (kb < kblocks) consume(ha[j], hb[j], kb);
   }
   for (int kb = warp + kWarps * kHeld; kb < kblocks; kb += kWarps) {
-    const uint4 A = __ldg(reinterpret_cast<const uint4*>(wa + kb * 32));
-    const uint4 B = __ldg(reinterpret_cast<const uint4*>(wb + kb * 32));
+    const uint4 A = load16_l2_256(wa + kb * 32);
+    const uint4 B = load16_l2_256(wb + kb * 32);
     consume(A, B, kb);
   }
   if (p.trigger_point == 0) allow_next_kernel();

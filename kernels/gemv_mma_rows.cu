@@ -105,8 +105,8 @@ __global__ void __cluster_dims__(KS, 1, 1) __launch_bounds__(kThreads, 2)
 #pragma unroll
     for (int j = 0; j < kHeld; ++j) {
       if (c0 + j < c1) {
-        ha[j] = __ldg(reinterpret_cast<const uint4*>(wa + (c0 + j) * 32));
-        hb[j] = __ldg(reinterpret_cast<const uint4*>(wb + (c0 + j) * 32));
+        ha[j] = load16_l2_256(wa + (c0 + j) * 32);
+        hb[j] = load16_l2_256(wb + (c0 + j) * 32);
       }
     }
   };

@@ -24,6 +24,7 @@
 // 16m + 4t .. 16m + 4t + 3 of rows g and g + 8 (g = lane / 4, t = lane % 4): two 16-byte
 // loads, the row-major [P][N] state layout of MimoStateLayout unchanged.
 #include <algorithm>
+#include <cstdlib>
 #include <stdexcept>
 #include <string>
 
@@ -46,6 +47,22 @@ __device__ __forceinline__ uint32_t to_tf32(float v) {
   uint32_t r;
   asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(v));
   return r;
+}
+
+// 16 bytes of a state row, not kept in L1 and fetched from DRAM in 256-byte pieces (the
+// state is read once a step). Measured on the H200 against a plain load (PERFORMANCE_NOTES.md
+// runs 203-206, us a step): batch 16 292-293 -> 283-287 (277 with the weight loads of
+// common.cuh, run 206, against 290 before both), batch 4 and 8 -0.5 to -1%, batch 1 and 2
+// the same; beside other chains (batch 32 and 64) slower, 428 -> 435 and 720 -> 761, as
+// were L2-only and evict-first loads there (runs 201-203): split buckets keep the plain
+// load, in a kernel variant of its own (with a runtime choice between the two loads the
+// plain path itself measured 2% slower at batch 64, run 205).
+__device__ __forceinline__ float4 load_state_streamed(const float* p) {
+  float4 v;
+  asm volatile("ld.global.L1::no_allocate.L2::256B.v4.f32 {%0, %1, %2, %3}, [%4];"
+               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+               : "l"(p));
+  return v;
 }
 
 // d += A (16x8, tf32) . B (8x8, tf32), fp32 accumulate.
@@ -102,7 +119,8 @@ __host__ __device__ inline TcSmem tc_smem(int R, int N, int P, int PR, int CS, i
 // wait, in_proj's after it) is issued before the first use of any of them, so a block
 // waits for one memory round trip: the per-thread item counts below are compile-time, so
 // the loads sit in registers rather than in a load-store chain.
-template <int R, int RT, int CS, bool kFused, int CL = 1>
+// kStreamed: the state rows come in by load_state_streamed, else by plain loads.
+template <int R, int RT, int CS, bool kFused, bool kStreamed, int CL = 1>
 __device__ __forceinline__ void mimo_step_tc_body(const TcParams& prm) {
   static_assert(!kFused || RT == 1, "the fused out_proj takes 16-row blocks");
   constexpr int kT = 32 * RT * CS;
@@ -149,8 +167,13 @@ __device__ __forceinline__ void mimo_step_tc_body(const TcParams& prm) {
 #pragma unroll
     for (int mi = 0; mi < NG; ++mi) {
       if (mi < ng) {
-        sv[mi][0] = *reinterpret_cast<const float4*>(row_g + 16 * (m0 + mi));
-        sv[mi][1] = *reinterpret_cast<const float4*>(row_g + 8 * N + 16 * (m0 + mi));
+        if constexpr (kStreamed) {
+          sv[mi][0] = load_state_streamed(row_g + 16 * (m0 + mi));
+          sv[mi][1] = load_state_streamed(row_g + 8 * N + 16 * (m0 + mi));
+        } else {
+          sv[mi][0] = *reinterpret_cast<const float4*>(row_g + 16 * (m0 + mi));
+          sv[mi][1] = *reinterpret_cast<const float4*>(row_g + 8 * N + 16 * (m0 + mi));
+        }
       }
     }
     xp0 = xprev[p0 + g];
@@ -174,8 +197,8 @@ __device__ __forceinline__ void mimo_step_tc_body(const TcParams& prm) {
                             (size_t)(blockIdx.x - rank + cg) * 16;
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
-        wreg[k] = *reinterpret_cast<const uint4*>(src + k * row);
-        wreg[4 + k] = *reinterpret_cast<const uint4*>(src + k * row + 8);
+        wreg[k] = load16_no_l1(src + k * row);
+        wreg[4 + k] = load16_no_l1(src + k * row + 8);
       }
     }
   }
@@ -491,14 +514,15 @@ __device__ __forceinline__ void mimo_step_tc_body(const TcParams& prm) {
   }
 }
 
-template <int R, int CS>
+template <int R, int CS, bool kStreamed>
 __global__ void __launch_bounds__(128 * CS, CS == 1 ? 4 : (CS == 2 ? 3 : 1)) mimo_step_tc_kernel(const TcParams prm) {
-  mimo_step_tc_body<R, 4, CS, false>(prm);
+  mimo_step_tc_body<R, 4, CS, false, kStreamed>(prm);
 }
 
+// (Only ever in single-chain buckets: streamed state loads.)
 template <int R, int CL>
 __global__ void __cluster_dims__(CL, 1, 1) __launch_bounds__(256, 2) mimo_step_tc_fused_kernel(const TcParams prm) {
-  mimo_step_tc_body<R, 1, 8, true, CL>(prm);
+  mimo_step_tc_body<R, 1, 8, true, true, CL>(prm);
 }
 
 // Where the recurrence lets out_proj launch (pdl_trigger_point's 0-2, or 3 / 4: after its
@@ -517,6 +541,17 @@ int recurrence_trigger_point(int batch, bool beside_other_chains) {
   return batch < 16 ? 1 : batch < 32 ? 4 : 3;
 }
 
+// Whether the unfused kernel loads the state by load_state_streamed (single-chain buckets)
+// or by plain loads (beside other chains); M3_STATE_LOAD=plain|streamed forces one (A/B).
+bool state_load_streamed(bool beside_other_chains) {
+  static const int forced = [] {
+    const char* v = std::getenv("M3_STATE_LOAD");
+    if (v == nullptr) return -1;
+    return std::string(v) == "plain" ? 0 : std::string(v) == "streamed" ? 1 : -1;
+  }();
+  return forced >= 0 ? forced == 1 : !beside_other_chains;
+}
+
 TcParams tc_params(const MimoStepArgs& a, int p_blocks) {
   return TcParams{a, mimo_state_layout(a.heads, a.headdim, a.d_state, a.rank, a.n_angles),
                   recurrence_trigger_point(a.batch, a.beside_other_chains), p_blocks};
@@ -525,8 +560,10 @@ TcParams tc_params(const MimoStepArgs& a, int p_blocks) {
 template <int R, int CS>
 KernelLaunch plan_cs(const MimoStepArgs& a) {
   const TcSmem s = tc_smem(R, a.d_state, a.headdim, a.headdim, CS, 0);
-  return KernelLaunch::make("mimo_step_tc", mimo_step_tc_kernel<R, CS>, dim3(a.heads, a.batch), dim3(128 * CS),
-                            sizeof(float) * s.total, tc_params(a, 1));
+  auto* kernel = state_load_streamed(a.beside_other_chains) ? mimo_step_tc_kernel<R, CS, true>
+                                                            : mimo_step_tc_kernel<R, CS, false>;
+  return KernelLaunch::make("mimo_step_tc", kernel, dim3(a.heads, a.batch), dim3(128 * CS), sizeof(float) * s.total,
+                            tc_params(a, 1));
 }
 
 bool mimo_step_tc_shape_applies(const MimoStepArgs& a) {

@@ -36,6 +36,11 @@ if [[ $MODE == all || $MODE == tests ]]; then
   # The weights' loads really precede the PDL wait in the built kernels (SASS).
   if scripts/check_pdl_sass.sh "$BIN/m3bench" >"$OUT/pdl_sass.log" 2>&1; then r=PASS; else r=FAIL; fi
   summary+=("pdl wait placement (SASS): $r ($(tail -1 "$OUT/pdl_sass.log"))")
+  # The tensor-core recurrence with plain state loads (the split buckets' variant; the
+  # kernel tests run single-chain plans, whose state loads are streamed).
+  if M3_STATE_LOAD=plain "$BIN/m3_kernel_tests" --gtest_brief=1 --gtest_filter='*TensorCore*' \
+      >"$OUT/m3_kernel_tests_plain_state.log" 2>&1; then r=PASS; else r=FAIL; fi
+  summary+=("m3_kernel_tests tensor-core, plain state loads: $r")
   # The tensor-core recurrence's other column splits (the default is 2 warps per row tile).
   for split in 1 4; do
     if M3_MIMO_TC_SPLIT=$split "$BIN/m3_kernel_tests" --gtest_brief=1 --gtest_filter='*TensorCore*' \
@@ -73,7 +78,7 @@ if [[ $MODE == all || $MODE == bench ]]; then
   "$BIN/m3bench" decode --config configs/models/s2s-14l.json --batch 1,2,4,8,16,32,64 \
       --json "$OUT/bench_bf16.json" --per-kernel "$@" 2>&1 | tee "$OUT/bench_bf16.txt"
   # A/B switches, one at a time, in the same run.
-  for sw in ${M3_AB_SWITCHES:-M3_CUDA_CHAINS=1 M3_CUDA_CHAINS=2 M3_PDL_FIRST=0 M3_PDL_EARLY=0 M3_PDL_REC_POINT=1 M3_CUDA_FUSED_OUT_PROJ=0 M3_CUDA_FUSED_OUT_PROJ=1 M3_CUDA_FUSED_EMBEDDING=0 M3_MIMO_TC_FUSED_CLUSTER=4 M3_GEMV_SMALL_RPW=1 M3_MIMO_TC_MIN_BATCH=0 M3_GEMV_MMA_ROWS_MIN_BATCH=4 M3_MIMO_TC_SPLIT=1 M3_CUDA_PDL=0 M3_CUDA_L2_PREFETCH=1 M3_CUDA_NEXT_STEP_PREFETCH=0 M3_GEMV_TENSOR_CORES=0}; do
+  for sw in ${M3_AB_SWITCHES:-M3_CUDA_CHAINS=1 M3_CUDA_CHAINS=2 M3_PDL_FIRST=0 M3_PDL_EARLY=0 M3_PDL_REC_POINT=1 M3_CUDA_FUSED_OUT_PROJ=0 M3_CUDA_FUSED_OUT_PROJ=1 M3_CUDA_FUSED_EMBEDDING=0 M3_MIMO_TC_FUSED_CLUSTER=4 M3_GEMV_SMALL_RPW=1 M3_MIMO_TC_MIN_BATCH=0 M3_GEMV_MMA_ROWS_MIN_BATCH=4 M3_MIMO_TC_SPLIT=1 M3_CUDA_PDL=0 M3_CUDA_L2_PREFETCH=1 M3_CUDA_NEXT_STEP_PREFETCH=0 M3_STATE_LOAD=plain M3_GEMV_TENSOR_CORES=0}; do
     env $sw "$BIN/m3bench" decode --config configs/models/s2s-14l.json --batch 1,2,4,16,64 \
         --iters 100 2>&1 | tee "$OUT/bench_bf16_${sw/=/_}.txt" | sed "s/^/[$sw] /"
   done
