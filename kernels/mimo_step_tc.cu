@@ -51,12 +51,13 @@ __device__ __forceinline__ uint32_t to_tf32(float v) {
 
 // 16 bytes of a state row, not kept in L1 and fetched from DRAM in 256-byte pieces (the
 // state is read once a step). Measured on the H200 against a plain load (PERFORMANCE_NOTES.md
-// runs 203-206, us a step): batch 16 292-293 -> 283-287 (277 with the weight loads of
-// common.cuh, run 206, against 290 before both), batch 4 and 8 -0.5 to -1%, batch 1 and 2
-// the same; beside other chains (batch 32 and 64) slower, 428 -> 435 and 720 -> 761, as
-// were L2-only and evict-first loads there (runs 201-203): split buckets keep the plain
-// load, in a kernel variant of its own (with a runtime choice between the two loads the
-// plain path itself measured 2% slower at batch 64, run 205).
+// runs 203-207, us a step): batch 16 292-293 -> 283-287 (277 with the weight loads of
+// common.cuh, runs 206-207, against 288-290 without it), batch 4 and 8 -0.5 to -1%, batch 1
+// and 2 the same; slower from batch 32: beside other chains 428 -> 435 (b32) and 720 -> 761
+// (b64), as were L2-only and evict-first loads there (runs 201-203), and batch 64 in one
+// chain 810 -> 836 (run 207). Those keep the plain load, in a kernel variant of its own
+// (with a runtime choice between the two loads the plain path itself measured 2% slower
+// at batch 64, run 205).
 __device__ __forceinline__ float4 load_state_streamed(const float* p) {
   float4 v;
   asm volatile("ld.global.L1::no_allocate.L2::256B.v4.f32 {%0, %1, %2, %3}, [%4];"
@@ -519,7 +520,7 @@ __global__ void __launch_bounds__(128 * CS, CS == 1 ? 4 : (CS == 2 ? 3 : 1)) mim
   mimo_step_tc_body<R, 4, CS, false, kStreamed>(prm);
 }
 
-// (Only ever in single-chain buckets: streamed state loads.)
+// (Only ever at batch 1 and 2, in one chain: streamed state loads.)
 template <int R, int CL>
 __global__ void __cluster_dims__(CL, 1, 1) __launch_bounds__(256, 2) mimo_step_tc_fused_kernel(const TcParams prm) {
   mimo_step_tc_body<R, 1, 8, true, true, CL>(prm);
@@ -541,15 +542,16 @@ int recurrence_trigger_point(int batch, bool beside_other_chains) {
   return batch < 16 ? 1 : batch < 32 ? 4 : 3;
 }
 
-// Whether the unfused kernel loads the state by load_state_streamed (single-chain buckets)
-// or by plain loads (beside other chains); M3_STATE_LOAD=plain|streamed forces one (A/B).
-bool state_load_streamed(bool beside_other_chains) {
+// Whether the unfused kernel loads the state by load_state_streamed (one chain, up to batch
+// 16) or by plain loads (beside other chains, or a larger batch); M3_STATE_LOAD=plain|streamed
+// forces one (A/B).
+bool state_load_streamed(const MimoStepArgs& a) {
   static const int forced = [] {
     const char* v = std::getenv("M3_STATE_LOAD");
     if (v == nullptr) return -1;
     return std::string(v) == "plain" ? 0 : std::string(v) == "streamed" ? 1 : -1;
   }();
-  return forced >= 0 ? forced == 1 : !beside_other_chains;
+  return forced >= 0 ? forced == 1 : !a.beside_other_chains && a.batch <= 16;
 }
 
 TcParams tc_params(const MimoStepArgs& a, int p_blocks) {
@@ -560,8 +562,7 @@ TcParams tc_params(const MimoStepArgs& a, int p_blocks) {
 template <int R, int CS>
 KernelLaunch plan_cs(const MimoStepArgs& a) {
   const TcSmem s = tc_smem(R, a.d_state, a.headdim, a.headdim, CS, 0);
-  auto* kernel = state_load_streamed(a.beside_other_chains) ? mimo_step_tc_kernel<R, CS, true>
-                                                            : mimo_step_tc_kernel<R, CS, false>;
+  auto* kernel = state_load_streamed(a) ? mimo_step_tc_kernel<R, CS, true> : mimo_step_tc_kernel<R, CS, false>;
   return KernelLaunch::make("mimo_step_tc", kernel, dim3(a.heads, a.batch), dim3(128 * CS), sizeof(float) * s.total,
                             tc_params(a, 1));
 }
