@@ -117,28 +117,25 @@ __device__ __forceinline__ float bf16_bits_to_float(uint16_t bits) {
 //   it lost (121 -> 122).
 // asm volatile keeps them in program order with the PDL wait, so those issued before it
 // stay before it (scripts/check_pdl_sass.sh).
-__device__ __forceinline__ uint4 load16_no_l1(const void* p) {
+enum class ReadOnce { NoL1, L2Pieces256 };
+template <ReadOnce kForm>
+__device__ __forceinline__ uint4 load16_read_once(const void* p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
+  if constexpr (kForm == ReadOnce::NoL1) {
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  } else {
+    asm volatile("ld.global.nc.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  }
   return v;
 #else
   return __ldg(static_cast<const uint4*>(p));
 #endif
 }
-__device__ __forceinline__ uint4 load16_l2_256(const void* p) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  uint4 v;
-  asm volatile("ld.global.nc.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
-#else
-  return __ldg(static_cast<const uint4*>(p));
-#endif
-}
+__device__ __forceinline__ uint4 load16_no_l1(const void* p) { return load16_read_once<ReadOnce::NoL1>(p); }
+__device__ __forceinline__ uint4 load16_l2_256(const void* p) { return load16_read_once<ReadOnce::L2Pieces256>(p); }
 
 // Eight consecutive weights widened to float. W is 16-byte aligned at element i.
 __device__ __forceinline__ void load8(const __nv_bfloat16* w, float (&out)[8]) {
