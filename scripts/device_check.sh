@@ -36,8 +36,8 @@ if [[ $MODE == all || $MODE == tests ]]; then
   # The weights' loads really precede the PDL wait in the built kernels (SASS).
   if scripts/check_pdl_sass.sh "$BIN/m3bench" >"$OUT/pdl_sass.log" 2>&1; then r=PASS; else r=FAIL; fi
   summary+=("pdl wait placement (SASS): $r ($(tail -1 "$OUT/pdl_sass.log"))")
-  # The tensor-core recurrence with plain state loads (the split buckets' variant; the
-  # kernel tests run single-chain plans, whose state loads are streamed).
+  # The tensor-core recurrence with plain state loads everywhere (the kernel tests' plans
+  # are single-chain: streamed state loads up to batch 16, plain beyond).
   if M3_STATE_LOAD=plain "$BIN/m3_kernel_tests" --gtest_brief=1 --gtest_filter='*TensorCore*' \
       >"$OUT/m3_kernel_tests_plain_state.log" 2>&1; then r=PASS; else r=FAIL; fi
   summary+=("m3_kernel_tests tensor-core, plain state loads: $r")
