@@ -36,17 +36,18 @@ if [[ $MODE == all || $MODE == tests ]]; then
   # The weights' loads really precede the PDL wait in the built kernels (SASS).
   if scripts/check_pdl_sass.sh "$BIN/m3bench" >"$OUT/pdl_sass.log" 2>&1; then r=PASS; else r=FAIL; fi
   summary+=("pdl wait placement (SASS): $r ($(tail -1 "$OUT/pdl_sass.log"))")
-  # The tensor-core recurrence with plain state loads everywhere (the kernel tests' plans
-  # are single-chain: streamed state loads up to batch 16, plain beyond).
-  if M3_STATE_LOAD=plain "$BIN/m3_kernel_tests" --gtest_brief=1 --gtest_filter='*TensorCore*' \
-      >"$OUT/m3_kernel_tests_plain_state.log" 2>&1; then r=PASS; else r=FAIL; fi
-  summary+=("m3_kernel_tests tensor-core, plain state loads: $r")
-  # The tensor-core recurrence's other column splits (the default is 2 warps per row tile).
-  for split in 1 4; do
-    if M3_MIMO_TC_SPLIT=$split "$BIN/m3_kernel_tests" --gtest_brief=1 --gtest_filter='*TensorCore*' \
-        >"$OUT/m3_kernel_tests_split$split.log" 2>&1; then r=PASS; else r=FAIL; fi
-    summary+=("m3_kernel_tests tensor-core split $split: $r")
-    [[ $r == FAIL ]] && grep -E "Failure|Expected|Which is|actual" "$OUT/m3_kernel_tests_split$split.log" | head -20
+  # The tensor-core recurrence under its other forms, one switch per run: plain state
+  # loads everywhere (the kernel tests' plans are single-chain: streamed state loads up to
+  # batch 16, plain beyond), and the other column splits (the default is 2 warps per row tile).
+  for sw in M3_STATE_LOAD=plain M3_MIMO_TC_SPLIT=1 M3_MIMO_TC_SPLIT=4; do
+    log="$OUT/m3_kernel_tests_${sw/=/_}.log"
+    if env "$sw" "$BIN/m3_kernel_tests" --gtest_brief=1 --gtest_filter='*TensorCore*' >"$log" 2>&1; then
+      r=PASS
+    else
+      r=FAIL
+    fi
+    summary+=("m3_kernel_tests tensor-core, $sw: $r")
+    [[ $r == FAIL ]] && grep -E "Failure|Expected|Which is|actual" "$log" | head -20
   done
 fi
 
