@@ -509,6 +509,12 @@ TEST_F(CudaEngineTest, RejectsBadArguments) {
   expect_error({0}, {kContinueToken}, "step: slot 0: kContinueToken but the slot has no sampled token yet");
   expect_call_error([&] { e->step(std::vector<int32_t>{0, 1}, std::vector<int32_t>{1}, out); },
                     "2 slots but 1 tokens");
+  // The same through the pipelined entry point; a refused step queues nothing.
+  expect_call_error([&] { e->submit_step(std::vector<int32_t>{0, 1}, std::vector<int32_t>{1}); },
+                    "submit_step: 2 slots but 1 tokens");
+  expect_call_error([&] { e->submit_step(std::vector<int32_t>{3}, std::vector<int32_t>{1}); },
+                    "step: slot 3 is out of range [0, 3)");
+  EXPECT_EQ(e->queued_steps(), 0);
   expect_call_error([&] { e->reset(-1); }, "reset: slot -1 is out of range");
   expect_call_error([&] { e->set_sampling(0, {1.f, -1, 1.f, 0}); }, "set_sampling: slot 0");
 }
