@@ -507,6 +507,7 @@ TEST_F(CudaEngineTest, RejectsBadArguments) {
   expect_error({1, 1}, {1, 2}, "step: slot 1 is listed twice");
   expect_error({0}, {203}, "step: slot 0: token 203 is outside [0, 203)");
   expect_error({0}, {kContinueToken}, "step: slot 0: kContinueToken but the slot has no sampled token yet");
+  expect_error({0, 1, 2, 0}, {1, 1, 1, 1}, "step: 4 slots, more than max_slots 3");
   expect_call_error([&] { e->step(std::vector<int32_t>{0, 1}, std::vector<int32_t>{1}, out); },
                     "2 slots but 1 tokens");
   // The same through the pipelined entry point; a refused step queues nothing.
@@ -514,6 +515,8 @@ TEST_F(CudaEngineTest, RejectsBadArguments) {
                     "submit_step: 2 slots but 1 tokens");
   expect_call_error([&] { e->submit_step(std::vector<int32_t>{3}, std::vector<int32_t>{1}); },
                     "step: slot 3 is out of range [0, 3)");
+  expect_call_error([&] { e->submit_step(std::vector<int32_t>{0, 1, 2, 0}, std::vector<int32_t>{1, 1, 1, 1}); },
+                    "step: 4 slots, more than max_slots 3");
   EXPECT_EQ(e->queued_steps(), 0);
   expect_call_error([&] { e->reset(-1); }, "reset: slot -1 is out of range");
   expect_call_error([&] { e->set_sampling(0, {1.f, -1, 1.f, 0}); }, "set_sampling: slot 0");
