@@ -8,6 +8,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "model/json_input.h"
+
 namespace m3 {
 
 namespace {
@@ -34,12 +36,12 @@ void read_int(const json& obj, const char* key, const std::string& path, const s
   if (v.is_number_integer()) {
     if (v.is_number_unsigned()) {
       uint64_t u = v.get<uint64_t>();
-      if (u > static_cast<uint64_t>(INT_MAX)) fail(source, path + " = " + v.dump() + " is too large");
+      if (u > static_cast<uint64_t>(INT_MAX)) fail(source, path + " = " + json_brief(v) + " is too large");
       *out = static_cast<int>(u);
       return;
     }
     int64_t i = v.get<int64_t>();
-    if (i > INT_MAX || i < INT_MIN) fail(source, path + " = " + v.dump() + " is out of range");
+    if (i > INT_MAX || i < INT_MIN) fail(source, path + " = " + json_brief(v) + " is out of range");
     *out = static_cast<int>(i);
     return;
   }
@@ -50,14 +52,14 @@ void read_int(const json& obj, const char* key, const std::string& path, const s
       return;
     }
   }
-  fail(source, path + " must be an integer, got " + type_of(v) + " " + v.dump());
+  fail(source, path + " must be an integer, got " + type_of(v) + " " + json_brief(v));
 }
 
 void read_bool(const json& obj, const char* key, const std::string& path, const std::string& source,
                bool* out) {
   auto it = obj.find(key);
   if (it == obj.end()) return;
-  if (!it->is_boolean()) fail(source, path + " must be true or false, got " + type_of(*it) + " " + it->dump());
+  if (!it->is_boolean()) fail(source, path + " must be true or false, got " + type_of(*it) + " " + json_brief(*it));
   *out = it->get<bool>();
 }
 
@@ -65,7 +67,7 @@ void read_double(const json& obj, const char* key, const std::string& path, cons
                  double* out) {
   auto it = obj.find(key);
   if (it == obj.end()) return;
-  if (!it->is_number()) fail(source, path + " must be a number, got " + type_of(*it) + " " + it->dump());
+  if (!it->is_number()) fail(source, path + " must be a number, got " + type_of(*it) + " " + json_brief(*it));
   *out = it->get<double>();
 }
 
@@ -76,7 +78,7 @@ void read_string(const json& obj, const char* key, const std::string& path, cons
     if (required) fail(source, "missing required key " + path);
     return;
   }
-  if (!it->is_string()) fail(source, path + " must be a string, got " + type_of(*it) + " " + it->dump());
+  if (!it->is_string()) fail(source, path + " must be a string, got " + type_of(*it) + " " + json_brief(*it));
   *out = it->get<std::string>();
 }
 
@@ -89,12 +91,7 @@ std::string int_list(const std::vector<int>& v) {
 }  // namespace
 
 ModelConfig ModelConfig::parse(std::string_view json_text, const std::string& source) {
-  json root;
-  try {
-    root = json::parse(json_text.begin(), json_text.end());
-  } catch (const json::exception& e) {
-    fail(source, std::string("not valid JSON: ") + e.what());
-  }
+  const json root = parse_json_bounded(json_text, source, "");
   if (!root.is_object()) fail(source, "config must be a JSON object, got " + type_of(root));
 
   ModelConfig c;
@@ -112,7 +109,7 @@ ModelConfig ModelConfig::parse(std::string_view json_text, const std::string& so
   if (auto it = root.find("attn_layer_idx"); it != root.end() && !it->is_null()) {
     if (!it->is_array()) fail(source, "attn_layer_idx must be a list, got " + type_of(*it));
     for (const json& v : *it) {
-      if (!v.is_number_integer()) fail(source, "attn_layer_idx must hold integers, got " + v.dump());
+      if (!v.is_number_integer()) fail(source, "attn_layer_idx must hold integers, got " + json_brief(v));
       c.attn_layer_idx.push_back(static_cast<int>(v.get<int64_t>()));
     }
   }
@@ -142,15 +139,9 @@ ModelConfig ModelConfig::parse(std::string_view json_text, const std::string& so
 }
 
 ModelConfig ModelConfig::load(const std::filesystem::path& config_json) {
-  const std::string source = config_json.string();
-  std::error_code ec;
-  if (!std::filesystem::is_regular_file(config_json, ec)) fail(source, "no such file");
-  std::ifstream in(config_json, std::ios::binary);
-  if (!in) fail(source, "cannot open for reading");
-  std::ostringstream text;
-  text << in.rdbuf();
-  if (in.bad()) fail(source, "read error");
-  return parse(text.str(), source);
+  // A model's config.json is a few hundred bytes.
+  constexpr uint64_t kMaxConfigBytes = 1 << 20;
+  return parse(read_text_file(config_json, kMaxConfigBytes), config_json.string());
 }
 
 std::string ModelConfig::to_json() const {
@@ -190,6 +181,11 @@ void ModelConfig::validate(const std::string& source) const {
   };
   positive("d_model", d_model);
   positive("n_layer", n_layer);
+  // Far above any released Mamba model (64 layers at 2.8B parameters); the weights' names
+  // and shapes are listed per layer before a single tensor is checked.
+  constexpr int kMaxLayers = 1024;
+  if (n_layer > kMaxLayers)
+    fail(source, "n_layer = " + std::to_string(n_layer) + " is over the supported " + std::to_string(kMaxLayers));
   positive("vocab_size", vocab_size);
   positive("pad_vocab_size_multiple", pad_vocab_size_multiple);
   if (d_intermediate < 0)
@@ -221,6 +217,10 @@ void ModelConfig::validate(const std::string& source) const {
     fail(source, "ssm_cfg.A_floor = " + v.str() + " must be a finite number >= 0");
   }
   if (!rms_norm) fail(source, "rms_norm = false (LayerNorm blocks) is not supported");
+  // mamba-ssm would keep the residual stream in the weights' dtype; both engines keep it in
+  // fp32, so such a model would not decode as it was trained.
+  if (!residual_in_fp32)
+    fail(source, "residual_in_fp32 = false is not supported; the engines keep the residual stream in fp32");
 
   // Derived sizes are ints; refuse configs whose sizes would overflow them.
   const int64_t d_inner64 = static_cast<int64_t>(ssm.expand) * d_model;
@@ -235,6 +235,16 @@ void ModelConfig::validate(const std::string& source) const {
   if (d_inner64 % ssm.headdim != 0)
     fail(source, "d_inner = expand * d_model = " + std::to_string(d_inner64) +
                      " is not divisible by ssm_cfg.headdim = " + std::to_string(ssm.headdim));
+  // Every slot of an engine holds this much; a few small numbers can ask for terabytes.
+  // (In double: the product of the sizes validated above can pass 2^63.)
+  constexpr double kMaxStateBytesPerSequence = 16.0 * (1ull << 30);
+  const double state_bytes = 4.0 * static_cast<double>(state_floats_per_layer()) * n_layer;
+  if (state_bytes > kMaxStateBytesPerSequence) {
+    std::ostringstream v;
+    v << "the recurrent state of one sequence would need " << state_bytes / (1ull << 30)
+      << " GiB (n_layer x (heads x headdim x d_state + ...) floats), over the supported 16 GiB";
+    fail(source, v.str());
+  }
 }
 
 int ModelConfig::rope_split() const {
@@ -243,8 +253,10 @@ int ModelConfig::rope_split() const {
 }
 
 int ModelConfig::padded_vocab() const {
-  const int m = pad_vocab_size_multiple;
-  return (vocab_size + m - 1) / m * m;
+  // In 64 bits: vocab_size + m - 1 can pass INT_MAX where the result (checked by validate)
+  // does not.
+  const int64_t m = pad_vocab_size_multiple;
+  return static_cast<int>((vocab_size + m - 1) / m * m);
 }
 
 ModelConfig::InProjLayout ModelConfig::in_proj_layout() const {

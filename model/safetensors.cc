@@ -18,6 +18,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "model/json_input.h"
+
 namespace m3 {
 
 namespace {
@@ -63,6 +65,7 @@ json parse_header(const char* begin, const char* end, const std::string& file) {
   std::set<std::string> seen;
   std::string duplicate;
   auto on_event = [&](int depth, json::parse_event_t event, json& parsed) {
+    check_json_depth(depth, file, "header");
     if (event == json::parse_event_t::key && depth == 1 && duplicate.empty()) {
       const std::string& key = parsed.get_ref<const std::string&>();
       if (!seen.insert(key).second) duplicate = key;
@@ -87,27 +90,27 @@ TensorView parse_entry(const std::string& file, const std::string& name, const j
 
   auto dt = entry.find("dtype");
   if (dt == entry.end()) fail_tensor(file, name, "missing dtype");
-  if (!dt->is_string()) fail_tensor(file, name, "dtype is not a string: " + dt->dump());
+  if (!dt->is_string()) fail_tensor(file, name, "dtype is not a string: " + json_brief(*dt));
   if (!parse_dtype(dt->get_ref<const std::string&>(), &t.dtype))
-    fail_tensor(file, name, "unknown dtype " + dt->dump());
+    fail_tensor(file, name, "unknown dtype " + json_brief(*dt));
 
   auto sh = entry.find("shape");
   if (sh == entry.end()) fail_tensor(file, name, "missing shape");
-  if (!sh->is_array()) fail_tensor(file, name, "shape is not a list: " + sh->dump());
+  if (!sh->is_array()) fail_tensor(file, name, "shape is not a list: " + json_brief(*sh));
   // Element count, checked against the data section as it grows, so it cannot overflow.
   uint64_t numel = 1;
   bool empty = false;
   for (const json& d : *sh) {
     if (d.is_number_integer() && !d.is_number_unsigned() && d.get<int64_t>() < 0)
-      fail_tensor(file, name, "negative dimension in shape " + sh->dump());
+      fail_tensor(file, name, "negative dimension in shape " + json_brief(*sh));
     uint64_t v;
-    if (!as_u64(d, &v)) fail_tensor(file, name, "shape holds a non-integer: " + sh->dump());
-    if (v > static_cast<uint64_t>(INT64_MAX)) fail_tensor(file, name, "dimension too large in shape " + sh->dump());
+    if (!as_u64(d, &v)) fail_tensor(file, name, "shape holds a non-integer: " + json_brief(*sh));
+    if (v > static_cast<uint64_t>(INT64_MAX)) fail_tensor(file, name, "dimension too large in shape " + json_brief(*sh));
     t.shape.push_back(static_cast<int64_t>(v));
     if (v == 0) empty = true;
     if (!empty) {
       if (v > data_size || numel > data_size / v)
-        fail_tensor(file, name, "shape " + sh->dump() + " needs more bytes than the data section holds (" +
+        fail_tensor(file, name, "shape " + json_brief(*sh) + " needs more bytes than the data section holds (" +
                                     std::to_string(data_size) + ")");
       numel *= v;
     }
@@ -118,16 +121,16 @@ TensorView parse_entry(const std::string& file, const std::string& name, const j
   if (off == entry.end()) fail_tensor(file, name, "missing data_offsets");
   uint64_t begin = 0, end = 0;
   if (!off->is_array() || off->size() != 2 || !as_u64((*off)[0], &begin) || !as_u64((*off)[1], &end))
-    fail_tensor(file, name, "data_offsets must be [begin, end] with non-negative integers, got " + off->dump());
-  if (begin > end) fail_tensor(file, name, "data_offsets " + off->dump() + " has begin > end");
+    fail_tensor(file, name, "data_offsets must be [begin, end] with non-negative integers, got " + json_brief(*off));
+  if (begin > end) fail_tensor(file, name, "data_offsets " + json_brief(*off) + " has begin > end");
   if (end > data_size)
-    fail_tensor(file, name, "data_offsets " + off->dump() + " run past the data section (" +
+    fail_tensor(file, name, "data_offsets " + json_brief(*off) + " run past the data section (" +
                                 std::to_string(data_size) + " bytes)");
   const uint64_t nbytes = end - begin;
   const uint64_t want = numel * dtype_size(t.dtype);  // numel <= data_size, no overflow
   if (numel > data_size || want != nbytes)
     fail_tensor(file, name, "shape " + t.shape_str() + " of " + std::string(dtype_name(t.dtype)) + " needs " +
-                                std::to_string(want) + " bytes, data_offsets " + off->dump() + " hold " +
+                                std::to_string(want) + " bytes, data_offsets " + json_brief(*off) + " hold " +
                                 std::to_string(nbytes));
   t.data = data + begin;
   t.nbytes = static_cast<size_t>(nbytes);
@@ -233,16 +236,7 @@ SafetensorsSet SafetensorsSet::open_dir(const std::filesystem::path& model_dir) 
   }
 
   const std::string index_file = index_path.string();
-  std::ifstream in(index_path, std::ios::binary);
-  if (!in) fail(index_file, "cannot open for reading");
-  std::ostringstream text;
-  text << in.rdbuf();
-  json index;
-  try {
-    index = json::parse(text.str());
-  } catch (const json::exception& e) {
-    fail(index_file, std::string("not valid JSON: ") + e.what());
-  }
+  const json index = parse_json_bounded(read_text_file(index_path, kMaxHeaderBytes), index_file, "");
   if (!index.is_object()) fail(index_file, "not a JSON object");
   auto wm = index.find("weight_map");
   if (wm == index.end()) fail(index_file, "missing weight_map");

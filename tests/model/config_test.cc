@@ -138,6 +138,14 @@ TEST(ConfigParse, RejectsWhatTheEnginesCannotRun) {
       {"LayerNorm", [](json& j) { j["rms_norm"] = false; }, {"rms_norm = false", "not supported"}},
       {"negative A_floor", [](json& j) { j["ssm_cfg"]["A_floor"] = -1; }, {"ssm_cfg.A_floor = -1"}},
       {"overflowing sizes", [](json& j) { j["d_model"] = 1 << 30; j["ssm_cfg"]["expand"] = 4; }, {"too large"}},
+      {"absurd n_layer", [](json& j) { j["n_layer"] = 2000000000; },
+       {"n_layer = 2000000000 is over the supported 1024"}},
+      {"a terabyte-sized state", [](json& j) { j["ssm_cfg"]["d_state"] = 1 << 20; j["n_layer"] = 16; },
+       {"the recurrent state of one sequence would need 18", "over the supported 16 GiB"}},
+      {"residual in the weights' dtype", [](json& j) { j["residual_in_fp32"] = false; },
+       {"residual_in_fp32 = false is not supported"}},
+      {"long value quoted briefly", [](json& j) { j["d_model"] = std::string(100000, 'x'); },
+       {"d_model must be an integer, got string \"xxxx", "..."}},
       {"not an object", [](json& j) { j = json::array({1, 2}); }, {"config must be a JSON object"}},
   };
   for (const Rejection& r : cases) {
@@ -154,6 +162,35 @@ TEST(ConfigParse, RejectsInvalidJson) {
   EXPECT_THAT(error_of([] { ModelConfig::parse("{\"d_model\": 12,", "broken.json"); }),
               AllOf(HasSubstr("broken.json: not valid JSON"), HasSubstr("parse error")));
   EXPECT_THAT(error_of([] { ModelConfig::parse("", "empty.json"); }), HasSubstr("empty.json: not valid JSON"));
+}
+
+TEST(ConfigParse, RefusesDeepNestingBeforeAnythingRecursesOverIt) {
+  // Printing a value a million levels deep in an error message overflowed the stack.
+  const std::string deep = std::string(1000000, '[') + std::string(1000000, ']');
+  json j = tiny_json();
+  j["d_model"] = 0;  // placeholder replaced by the nested list below
+  std::string text = j.dump();
+  text.replace(text.find("\"d_model\":0"), 11, "\"d_model\":" + deep);
+  EXPECT_THAT(error_of([&] { ModelConfig::parse(text, "deep.json"); }),
+              HasSubstr("deep.json: nests JSON deeper than 64 levels"));
+}
+
+TEST(ConfigDerived, PaddedVocabNearTheIntLimit) {
+  // vocab_size + multiple - 1 passes INT_MAX; the padded size itself does not.
+  json j = tiny_json();
+  j["vocab_size"] = 1000000000;
+  j["pad_vocab_size_multiple"] = 1500000000;
+  EXPECT_EQ(ModelConfig::parse(j.dump(), "big-vocab").padded_vocab(), 1500000000);
+}
+
+TEST(ConfigLoad, RefusesWhatIsNotASmallRegularFile) {
+  test::ScratchDir dir;
+  std::filesystem::create_directory(dir / "config.json");
+  EXPECT_THAT(error_of([&] { ModelConfig::load(dir / "config.json"); }),
+              HasSubstr((dir / "config.json").string() + ": not a regular file"));
+  test::write_file(dir / "big.json", std::string((1 << 20) + 1, ' '));
+  EXPECT_THAT(error_of([&] { ModelConfig::load(dir / "big.json"); }),
+              HasSubstr((dir / "big.json").string() + ": is 1048577 bytes, over the 1048576-byte limit"));
 }
 
 TEST(ConfigLoad, NamesTheMissingFile) {

@@ -29,6 +29,12 @@ TEST(SafetensorsCorrupt, Corpus) {
       {"header not JSON", st("{\"w\": {\"dtype\": ", d16), {"header is not valid JSON"}},
       {"header with NUL", st(std::string("{}\0", 3), ""), {"header is not valid JSON"}},
       {"header is a list", st("[1, 2]", ""), {"header is not a JSON object but array"}},
+      // Printing a shape a million levels deep in the error overflowed the stack.
+      {"deeply nested shape",
+       st(R"({"w": {"dtype": "F32", "shape": )" + std::string(1000000, '[') + std::string(1000000, ']') +
+              R"(, "data_offsets": [0, 16]}})",
+          d16),
+       {"header nests JSON deeper than 64 levels"}},
       {"entry not an object", st(R"({"w": 5})", d16), {"tensor w: header entry is not an object"}},
       {"missing dtype", st(R"({"w": {"shape": [4], "data_offsets": [0, 16]}})", d16), {"tensor w: missing dtype"}},
       {"dtype not a string", st(R"({"w": {"dtype": 4, "shape": [4], "data_offsets": [0, 16]}})", d16),

@@ -209,6 +209,13 @@ TEST(SafetensorsSet, ShardedErrors) {
          test::write_file(d / index, "{\"weight_map\": ");
        },
        {index, "not valid JSON"}},
+      {"index not a regular file",
+       [&](const auto& d) {
+         write_sharded(d, good_map());
+         std::filesystem::remove(d / index);
+         std::filesystem::create_directory(d / index);  // a FIFO or /dev/zero would hang the read
+       },
+       {index, "not a regular file"}},
       {"index not an object",
        [&](const auto& d) {
          write_sharded(d, good_map());
