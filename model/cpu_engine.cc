@@ -3,9 +3,14 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <iomanip>
+#include <new>
+#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <vector>
+
+#include <unistd.h>
 
 #include "model/cpu_ops.h"
 #include "model/cpu_sampling.h"
@@ -14,6 +19,12 @@
 
 namespace m3 {
 namespace {
+
+std::string gib(double bytes) {
+  std::ostringstream s;
+  s << std::setprecision(3) << bytes / (1ull << 30) << " GiB";
+  return s.str();
+}
 
 // A checkpoint tensor widened to fp32, its element count checked against what the step
 // indexes (the loader checks shapes too; this keeps a bad loader from becoming an
@@ -165,7 +176,29 @@ CpuEngine::CpuEngine(const ModelWeights& weights, const EngineOptions& options)
   x_prev_off_ = k_prev_off_ + int64_t{R} * H * N;
   state_per_layer_ = x_prev_off_ + int64_t{H} * P;
   const size_t slots = static_cast<size_t>(max_slots_);
-  state_.assign(slots * static_cast<size_t>(c.n_layer * state_per_layer_), 0.0f);
+  // Below 16 GiB a sequence (ModelConfig::validate): slots x that fits in 64 bits.
+  const size_t per_sequence = static_cast<size_t>(c.n_layer * state_per_layer_);
+  const size_t state_floats = slots * per_sequence;
+  auto state_too_large = [&](const std::string& why) {
+    return std::runtime_error("cpu engine: " + weights.dir().string() + ": the recurrent state of " +
+                              std::to_string(max_slots_) + " slots needs " +
+                              gib(4.0 * static_cast<double>(state_floats)) + " (" +
+                              gib(4.0 * static_cast<double>(per_sequence)) + " a sequence), " + why +
+                              "; lower max_batch");
+  };
+  // More than the machine has would be touched into the OOM killer, not refused by malloc.
+  const long pages = sysconf(_SC_PHYS_PAGES), page_size = sysconf(_SC_PAGESIZE);
+  if (pages > 0 && page_size > 0) {
+    const size_t memory = static_cast<size_t>(pages) * static_cast<size_t>(page_size);
+    if (per_sequence > memory / 4 / slots) {
+      throw state_too_large("more than this machine's " + gib(static_cast<double>(memory)) + " of memory");
+    }
+  }
+  try {
+    state_.assign(state_floats, 0.0f);
+  } catch (const std::bad_alloc&) {
+    throw state_too_large("more than this process can allocate");
+  }
   counter_.assign(slots, 0);
   last_sampled_.assign(slots, -1);
   params_.assign(slots, SamplingParams{});

@@ -98,7 +98,12 @@ ModelWeights ModelWeights::load(const std::filesystem::path& model_dir) {
     // not what its config says.
     const TensorView& head = *set.find("lm_head.weight");
     const TensorView& emb = *set.find("backbone.embedding.weight");
-    if (head.dtype == emb.dtype && std::memcmp(head.data, emb.data, head.nbytes) != 0)
+    if (head.dtype != emb.dtype)
+      throw std::runtime_error(set.file_of("lm_head.weight") + ": tensor lm_head.weight is " +
+                               std::string(dtype_name(head.dtype)) + " but backbone.embedding.weight is " +
+                               std::string(dtype_name(emb.dtype)) +
+                               ", and the config has tie_embeddings = true (one parameter stored twice)");
+    if (std::memcmp(head.data, emb.data, head.nbytes) != 0)
       throw std::runtime_error(set.file_of("lm_head.weight") +
                                ": tensor lm_head.weight differs from backbone.embedding.weight, but the "
                                "config has tie_embeddings = true");

@@ -1,5 +1,6 @@
 // The Engine contract on the CPU backend: continue tokens, reset, batching independence,
 // per-slot sampling counters, argument errors, stats.
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -19,6 +20,7 @@ namespace m3 {
 namespace {
 
 using testing::ScratchDir;
+using ::testing::HasSubstr;
 
 class CpuEngineTest : public ::testing::Test {
  protected:
@@ -265,6 +267,14 @@ TEST_F(CpuEngineTest, StatsCountStepsAndTokens) {
 
 TEST_F(CpuEngineTest, NeedsAtLeastOneSlot) {
   EXPECT_EQ(invalid_argument_of([&] { engine(0); }), "cpu engine: max_slots must be >= 1, got 0");
+}
+
+TEST_F(CpuEngineTest, RefusesAStateLargerThanTheMachine) {
+  // max_batch is a config value; a state beyond memory must be refused, not touched into
+  // the OOM killer.
+  const std::string msg = test::error_of([&] { engine(1 << 30); });
+  EXPECT_THAT(msg, HasSubstr("cpu engine: " + dir_->path().string() + ": the recurrent state of 1073741824 slots"));
+  EXPECT_THAT(msg, HasSubstr("GiB of memory; lower max_batch"));
 }
 
 TEST_F(CpuEngineTest, FactoryKnowsItsBackends) {

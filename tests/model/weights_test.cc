@@ -171,6 +171,20 @@ TEST(ModelWeights, RefusesWhatTheConfigDoesNotDescribe) {
       {"tied head that differs",
        [](auto& ts) { find(ts, "lm_head.weight")->data[5] ^= std::byte{1}; },
        {"lm_head.weight differs from backbone.embedding.weight", "tie_embeddings = true"}},
+      {"tied head in another dtype",
+       [](auto& ts) {  // the head rounded to BF16: the engines would ignore it
+         TensorToWrite* t = find(ts, "lm_head.weight");
+         std::vector<std::byte> narrow(t->data.size() / 2);
+         for (size_t i = 0; i < narrow.size() / 2; ++i) {
+           float v;
+           std::memcpy(&v, &t->data[4 * i], 4);
+           const uint16_t b = f32_to_bf16(v);
+           std::memcpy(&narrow[2 * i], &b, 2);
+         }
+         t->dtype = DType::BF16;
+         t->data = narrow;
+       },
+       {"tensor lm_head.weight is BF16 but backbone.embedding.weight is F32", "tie_embeddings = true"}},
       {"unpadded embedding",
        [](auto& ts) {
          TensorToWrite* t = find(ts, "backbone.embedding.weight");
