@@ -1,5 +1,7 @@
 #include "kernels/sampling.cuh"
 
+#include <cfloat>
+
 #include <stdexcept>
 #include <string>
 
@@ -113,7 +115,7 @@ __global__ void __launch_bounds__(kThreads) sampling_kernel(const SamplingParams
   best = block_key_max(best, red);
   int chosen = id_of(best);
 
-  if (sp.temperature > 0.f) {
+  if (sp.temperature >= FLT_MIN) {  // below it 1 / T overflows: greedy, as sample_token
     const float lmax = l[chosen];
     const float inv_t = 1.f / sp.temperature;
     // Mass (sum of exp((l - lmax)/T)) and count of the kept ids (key >= floor) whose key

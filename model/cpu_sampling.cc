@@ -48,7 +48,8 @@ int32_t sample_token(std::span<const float> logits, int vocab_size, const Sampli
     throw std::invalid_argument("sample_token: " + std::to_string(logits.size()) +
                                 " logits for vocab_size " + std::to_string(vocab_size));
   }
-  if (!(params.temperature > 0.0f)) return greedy_token(logits, vocab_size);
+  // Below FLT_MIN 1 / temperature overflows (the CUDA kernel scales by it): greedy too.
+  if (!(params.temperature >= std::numeric_limits<float>::min())) return greedy_token(logits, vocab_size);
   if (scratch.capacity() < vocab_size) {
     throw std::invalid_argument("sample_token: scratch sized for " +
                                 std::to_string(scratch.capacity()) + " ids, vocab_size is " +

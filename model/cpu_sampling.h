@@ -1,7 +1,8 @@
 // Token sampling on the host: the reference definition (brief, "Sampling") that the
 // CPU engine uses and the CUDA sampling kernel is tested against.
 //
-// l = logits[0:vocab_size). temperature <= 0: argmax, lowest id on ties. Otherwise ids
+// l = logits[0:vocab_size). temperature below FLT_MIN (<= 0, or so small that its
+// reciprocal overflows): argmax, lowest id on ties. Otherwise ids
 // are ordered by l descending (ties: lower id first); top_k > 0 keeps the first top_k;
 // e_i = exp((l_i - l_max) / temperature) over the kept ids; top_p < 1 keeps the shortest
 // prefix whose cumulative e reaches top_p * sum(e) (at least one id); with

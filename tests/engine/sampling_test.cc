@@ -52,6 +52,14 @@ TEST(Sampling, GreedyTakesLowestIdOnTies) {
   EXPECT_EQ(sample_token(logits, 5, hot(-1.0f), 0, scratch), 1);  // temperature <= 0: greedy
 }
 
+TEST(Sampling, DenormalTemperatureIsGreedy) {
+  // 1 / 1e-40 overflows a float; the CUDA kernel scales by it, so both take the argmax.
+  const std::vector<float> logits = {1.0f, 3.0f, 2.0f, 3.0f, 3.0f};
+  SamplingScratch scratch(5);
+  for (uint64_t counter = 0; counter < 16; ++counter)
+    EXPECT_EQ(sample_token(logits, 5, hot(1e-40f), counter, scratch), 1) << "counter " << counter;
+}
+
 TEST(Sampling, GreedySkipsNaN) {
   const float nan = std::numeric_limits<float>::quiet_NaN();
   const std::vector<float> logits = {nan, -5.0f, nan, -1.0f};

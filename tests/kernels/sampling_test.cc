@@ -21,6 +21,7 @@ TEST(SamplingKernel, MatchesHostDefinition) {
   const std::vector<SamplingParams> cases = {
       {0.f, 0, 1.f, 1},     {1.f, 0, 1.f, 2},    {0.7f, 40, 1.f, 3},  {1.3f, 0, 0.9f, 4},
       {0.9f, 50, 0.8f, 5},  {2.f, 1, 1.f, 6},    {1.f, 0, 0.f, 7},    {0.5f, 2000, 0.95f, 8},
+      {1e-40f, 0, 1.f, 9},  // a denormal temperature: 1 / T overflows, greedy (it drew the worst id)
   };
   SamplingScratch scratch(vocab);
   for (int round = 0; round < 12; ++round) {
