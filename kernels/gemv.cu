@@ -331,12 +331,12 @@ KernelLaunch plan_gemv(const GemvArgs& a) {
   }
   // (Batch 2 with four rows a warp asks for CUDA cores: gemv_mma_applies says no.)
   if (gemv_mma_applies(a) && use_tensor_cores()) return plan_gemv_mma(a);
-  // The largest power of two <= batch (at most 8) whose x tile fits in shared memory.
+  // The largest power of two <= batch (at most 8) whose x tile fits in shared memory, with
+  // the kernel's static part (partial_ss: kWarps floats a vector).
+  auto smem_bytes = [&](int t) { return sizeof(float) * t * (static_cast<size_t>(a.cols) + kWarps); };
   int tile = 8;
-  while (tile > 1 && (tile > a.batch || sizeof(float) * tile * a.cols > kMaxSharedBytesPerBlock)) {
-    tile /= 2;
-  }
-  if (sizeof(float) * tile * a.cols > kMaxSharedBytesPerBlock) {
+  while (tile > 1 && (tile > a.batch || smem_bytes(tile) > kMaxSharedBytesPerBlock)) tile /= 2;
+  if (smem_bytes(tile) > kMaxSharedBytesPerBlock) {
     throw std::invalid_argument(shape + ": one input row of " + std::to_string(a.cols) +
                                 " floats does not fit in shared memory");
   }

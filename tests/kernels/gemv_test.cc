@@ -358,6 +358,13 @@ TEST(GemvKernel, RejectsColumnsThatBreakVectorLoads) {
   expect_plan_refused(12, "multiples of 8");
 }
 
+TEST(GemvKernel, TakesASmallerTileWhereStaticSharedMemoryTipsTheLimit) {
+  M3_REQUIRE_CUDA_DEVICE();
+  // fp32 rows of 3168 columns: an 8-vector tile is exactly the 101,376-byte limit before the
+  // kernel's static partial sums, so the plan must take a tile of 4 rather than fail.
+  run_case({33, 3168, 8, GemvEpilogue::Store, true, WeightType::F32}, 5);
+}
+
 TEST(GemvKernel, RefusesRowsTooWideForSharedMemory) {
   M3_REQUIRE_CUDA_DEVICE();
   // 160 KB of fp32 input row: over the RTX 5090's 101,376-byte limit.
