@@ -43,6 +43,27 @@ std::string slot_context(const char* fn, int slot) {
   return std::string(fn) + ": slot " + std::to_string(slot);
 }
 
+// What the kernels need of a model's shape, checked before anything is uploaded or
+// allocated and said in the config's terms (the planners would refuse later, naming
+// kernel arguments). The CPU engine runs any config that validates.
+void check_config_supported(const ModelConfig& c) {
+  auto refuse = [](const std::string& what) {
+    throw std::invalid_argument("cuda engine: cannot run this model: " + what + " (the cpu backend can)");
+  };
+  const int row_limit = static_cast<int>(kernels::kMaxSharedBytesPerBlock / sizeof(float)) - 64;
+  if (c.d_model % 8 != 0)
+    refuse("d_model = " + std::to_string(c.d_model) + " must be a multiple of 8 (16-byte weight loads)");
+  if (c.d_inner() > row_limit || (c.has_mlp() && c.mlp_width() > row_limit))
+    refuse("a projection's input of " + std::to_string(std::max(c.d_inner(), c.mlp_width())) +
+           " floats must fit in shared memory (at most " + std::to_string(row_limit) + ")");
+  if (c.ssm.d_state % 4 != 0 || c.ssm.d_state > 256)
+    refuse("ssm_cfg.d_state = " + std::to_string(c.ssm.d_state) + " must be a multiple of 4, at most 256");
+  if (c.ssm.headdim > 64) refuse("ssm_cfg.headdim = " + std::to_string(c.ssm.headdim) + " must be at most 64");
+  const int R = c.ssm.mimo_rank;
+  if (R != 1 && R != 2 && R != 4 && R != 8)
+    refuse("ssm_cfg.mimo_rank = " + std::to_string(R) + " must be 1, 2, 4 or 8");
+}
+
 }  // namespace
 
 CudaEngine::CudaEngine(const ModelWeights& weights, const EngineOptions& options)
@@ -61,6 +82,7 @@ CudaEngine::CudaEngine(const ModelWeights& weights, const EngineOptions& options
                              std::to_string(devices) + " visible");
   }
   M3_CUDA_CHECK(cudaSetDevice(device_));
+  check_config_supported(config_);
   // Switches for A/B measurements (m3bench): PDL on, L2 prefetch of later kernels' weights
   // off and of the next step's first weights on by default; the small buckets' step
   // variants measured at load unless a switch fixes them (0 / 1).
@@ -79,14 +101,14 @@ CudaEngine::CudaEngine(const ModelWeights& weights, const EngineOptions& options
   tc_fuse_max_batch_ = kernels::env_int("M3_MIMO_TC_FUSE_MAX_BATCH", tc_fuse_max_batch_);
   forced_chains_ = std::clamp(kernels::env_int("M3_CUDA_CHAINS", 0), 0, kMaxChains);
   next_step_prefetch_ = kernels::env_int("M3_CUDA_NEXT_STEP_PREFETCH", 1) != 0;
-  M3_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
-  M3_CUDA_CHECK(cudaStreamCreateWithFlags(&table_stream_, cudaStreamNonBlocking));
-  for (auto& e : table_ready_) M3_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+  M3_CUDA_CHECK(cudaStreamCreateWithFlags(stream_.out(), cudaStreamNonBlocking));
+  M3_CUDA_CHECK(cudaStreamCreateWithFlags(table_stream_.out(), cudaStreamNonBlocking));
+  for (auto& e : table_ready_) M3_CUDA_CHECK(cudaEventCreateWithFlags(e.out(), cudaEventDisableTiming));
   chain_streams_.resize(kMaxChains - 1);
   join_events_.resize(kMaxChains - 1);
-  for (auto& s : chain_streams_) M3_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  for (auto& e : join_events_) M3_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
-  M3_CUDA_CHECK(cudaEventCreateWithFlags(&fork_event_, cudaEventDisableTiming));
+  for (auto& s : chain_streams_) M3_CUDA_CHECK(cudaStreamCreateWithFlags(s.out(), cudaStreamNonBlocking));
+  for (auto& e : join_events_) M3_CUDA_CHECK(cudaEventCreateWithFlags(e.out(), cudaEventDisableTiming));
+  M3_CUDA_CHECK(cudaEventCreateWithFlags(fork_event_.out(), cudaEventDisableTiming));
 
   const ModelConfig& c = config_;
   weights_ = upload_weights(weights, options.weight_dtype == WeightDType::BF16
@@ -141,8 +163,8 @@ CudaEngine::CudaEngine(const ModelWeights& weights, const EngineOptions& options
   seen_in_step_.assign(max_slots_, 0);
 
   timing_events_.resize(2);
-  for (auto& e : timing_events_) M3_CUDA_CHECK(cudaEventCreate(&e));
-  for (auto& e : step_done_) M3_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+  for (auto& e : timing_events_) M3_CUDA_CHECK(cudaEventCreate(e.out()));
+  for (auto& e : step_done_) M3_CUDA_CHECK(cudaEventCreateWithFlags(e.out(), cudaEventDisableTiming));
 
   build_plans();
   if (use_graphs_) capture_graphs();
@@ -150,22 +172,13 @@ CudaEngine::CudaEngine(const ModelWeights& weights, const EngineOptions& options
   M3_CUDA_CHECK(cudaDeviceSynchronize());
 }
 
+// Every handle and buffer is released by its member's destructor (graphs first: they
+// were declared after the streams, events and buffers they use).
 CudaEngine::~CudaEngine() {
-  if (stream_) cudaStreamSynchronize(stream_);  // queued steps write into pinned buffers freed below
-  for (auto* set : {&graphs_, &graphs_table1_}) {
-    for (auto& g : *set) {
-      if (g.exec) cudaGraphExecDestroy(g.exec);
-      if (g.graph) cudaGraphDestroy(g.graph);
-    }
-  }
-  for (auto e : table_ready_) if (e) cudaEventDestroy(e);
-  if (table_stream_) cudaStreamDestroy(table_stream_);
-  for (auto e : timing_events_) cudaEventDestroy(e);
-  for (auto e : step_done_) if (e) cudaEventDestroy(e);
-  for (auto e : join_events_) if (e) cudaEventDestroy(e);
-  if (fork_event_) cudaEventDestroy(fork_event_);
-  for (auto s : chain_streams_) if (s) cudaStreamDestroy(s);
-  if (stream_) cudaStreamDestroy(stream_);
+  cudaSetDevice(device_);
+  // Queued steps write into pinned buffers freed below; the table copies run on their own stream.
+  if (stream_) cudaStreamSynchronize(stream_);
+  if (table_stream_) cudaStreamSynchronize(table_stream_);
 }
 
 void CudaEngine::build_plans() {
@@ -410,8 +423,8 @@ void CudaEngine::capture(DecodeGraph& g) {
     if (broken) cudaGraphDestroy(broken);
     throw;
   }
-  M3_CUDA_CHECK(cudaStreamEndCapture(stream_, &g.graph));
-  M3_CUDA_CHECK(cudaGraphInstantiate(&g.exec, g.graph, 0));
+  M3_CUDA_CHECK(cudaStreamEndCapture(stream_, g.graph.out()));
+  M3_CUDA_CHECK(cudaGraphInstantiate(g.exec.out(), g.graph, 0));
   M3_CUDA_CHECK(cudaGraphUpload(g.exec, stream_));
 }
 
@@ -430,12 +443,32 @@ int CudaEngine::kernels_per_step(int batch) const {
   return static_cast<int>(graph_for_batch(batch).launches.size());
 }
 
+void CudaEngine::use_device() const {
+  int current = -1;
+  M3_CUDA_CHECK(cudaGetDevice(&current));
+  if (current != device_) M3_CUDA_CHECK(cudaSetDevice(device_));
+}
+
+void CudaEngine::check_usable(const char* fn) const {
+  if (!failure_.empty()) {
+    throw std::runtime_error(std::string(fn) + ": the cuda engine is unusable after a CUDA error in an earlier call (" +
+                             failure_ + "); a new engine is needed");
+  }
+}
+
 void CudaEngine::reset(int slot) {
+  check_usable("reset");
   if (slot < 0 || slot >= max_slots_) {
     throw std::invalid_argument(slot_context("reset", slot) + " is out of range [0, " +
                                 std::to_string(max_slots_) + ")");
   }
-  zero_slot(slot);  // queued behind the steps already submitted, ahead of later ones
+  try {
+    use_device();
+    zero_slot(slot);  // queued behind the steps already submitted, ahead of later ones
+  } catch (const std::exception& e) {
+    failure_ = e.what();
+    throw;
+  }
   has_sample_[slot] = 0;
   steps_since_reset_[slot] = 0;
 }
@@ -465,6 +498,7 @@ void CudaEngine::set_sampling(int slot, const SamplingParams& params) {
 
 void CudaEngine::step(std::span<const int32_t> slots, std::span<const int32_t> tokens,
                       std::span<int32_t> sampled, std::span<float> logits) {
+  check_usable("step");
   if (queued_steps() != 0) {
     throw std::logic_error("step: " + std::to_string(queued_steps()) +
                            " submitted steps are not collected yet; collect_step() them first");
@@ -487,8 +521,8 @@ void CudaEngine::submit_step(std::span<const int32_t> slots, std::span<const int
 
 void CudaEngine::submit(std::span<const int32_t> slots, std::span<const int32_t> tokens,
                         std::span<float> logits) {
+  check_usable("submit_step");
   const size_t n = slots.size();
-  const size_t V = static_cast<size_t>(config_.padded_vocab());
   if (tokens.size() != n) {
     throw std::invalid_argument("submit_step: " + std::to_string(n) + " slots but " +
                                 std::to_string(tokens.size()) + " tokens");
@@ -524,6 +558,20 @@ void CudaEngine::submit(std::span<const int32_t> slots, std::span<const int32_t>
     }
   }
 
+  // Validated: from here on a failure may leave part of the step on the device.
+  try {
+    enqueue_step(slots, tokens, logits, q);
+  } catch (const std::exception& e) {
+    failure_ = e.what();
+    throw;
+  }
+}
+
+void CudaEngine::enqueue_step(std::span<const int32_t> slots, std::span<const int32_t> tokens,
+                              std::span<float> logits, int q) {
+  use_device();
+  const size_t n = slots.size();
+  const size_t V = static_cast<size_t>(config_.padded_vocab());
   const DecodeGraph& g = graph_for_batch(static_cast<int>(n), q);
   const int B = max_bucket_;
   auto* th = table_host_.as<int32_t>() + q * table_ints();
@@ -563,8 +611,15 @@ void CudaEngine::submit(std::span<const int32_t> slots, std::span<const int32_t>
 }
 
 void CudaEngine::collect_step(std::span<int32_t> sampled) {
+  check_usable("collect_step");
   const int q = queue_position_for_collect(sampled);
-  M3_CUDA_CHECK(cudaEventSynchronize(step_done_[q]));
+  try {
+    use_device();
+    M3_CUDA_CHECK(cudaEventSynchronize(step_done_[q]));
+  } catch (const std::exception& e) {
+    failure_ = e.what();
+    throw;
+  }
   const int32_t* sh = sampled_host_.as<int32_t>() + static_cast<size_t>(q) * max_bucket_;
   std::copy(sh, sh + sampled.size(), sampled.begin());
   queue_pop();
@@ -578,6 +633,7 @@ std::vector<float> CudaEngine::time_replays(int batch, int iters, bool use_graph
   if (use_graph && !use_graphs_) {
     throw std::invalid_argument("time_replays: the engine was built with use_graphs=false");
   }
+  use_device();
   const DecodeGraph& g = graph_for_batch(batch);
   constexpr int kGroup = 10;
   std::vector<float> us;
@@ -603,6 +659,7 @@ std::vector<CudaEngine::KernelTime> CudaEngine::time_kernels(int batch, int reps
     throw std::invalid_argument("time_kernels: batch " + std::to_string(batch) + " or reps " +
                                 std::to_string(reps) + " out of range");
   }
+  use_device();
   const DecodeGraph& g = graph_for_batch(batch);
   std::vector<KernelTime> out;
   for (const kernels::KernelLaunch& l : g.launches) {

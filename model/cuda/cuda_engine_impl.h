@@ -13,6 +13,7 @@
 #include "kernels/launch.cuh"
 #include "kernels/mimo_step.cuh"
 #include "kernels/sampling.cuh"
+#include "model/cuda/cuda_handle.h"
 #include "model/cuda/device_buffer.h"
 #include "model/cuda/device_weights.h"
 #include "model/engine.h"
@@ -40,8 +41,8 @@ struct DecodeGraph {
   // bucket is split, see chains_for_batch).
   std::vector<kernels::KernelLaunch> launches;
   std::vector<size_t> chain_begin;
-  cudaGraph_t graph = nullptr;
-  cudaGraphExec_t exec = nullptr;
+  CudaGraph graph;
+  CudaGraphExec exec;
   // Every candidate measured at load, us per step (empty where there was one).
   std::vector<std::pair<StepVariant, float>> measured;
 };
@@ -96,6 +97,12 @@ class CudaEngine final : public Engine {
   double floor_bytes(int batch) const;
 
  private:
+  // Makes this engine's device the calling thread's current one: a server's scheduler
+  // thread steps an engine another thread built, and the runtime would otherwise use the
+  // thread's own current device (0 unless set).
+  void use_device() const;
+  // Refuses the call once a CUDA error has left the engine unusable (see failure_).
+  void check_usable(const char* fn) const;
   void build_plans();
   // The step reads the device table `table` (0 or 1: see table_) and writes its ids into
   // that position's part of sampled_host_.
@@ -111,6 +118,10 @@ class CudaEngine final : public Engine {
   // submit_step, and the copy of the step's logits into `logits` (when not empty) before
   // the step counts as done.
   void submit(std::span<const int32_t> slots, std::span<const int32_t> tokens, std::span<float> logits);
+  // submit's part after validation, at queue position q: the copies, the replay, the
+  // bookkeeping.
+  void enqueue_step(std::span<const int32_t> slots, std::span<const int32_t> tokens, std::span<float> logits,
+                    int q);
   int chains_for_batch(int batch) const;
   const DecodeGraph& graph_for_batch(int batch, int table = 0) const;
 
@@ -133,11 +144,11 @@ class CudaEngine final : public Engine {
   bool l2_prefetch_ = false;  // measured slower at batch 1 (notes); M3_CUDA_L2_PREFETCH=1 turns it on
   int device_ = 0;
 
-  cudaStream_t stream_ = nullptr;
+  CudaStream stream_;
   // Streams and events that fork the step's chains off stream_ and join them back.
-  std::vector<cudaStream_t> chain_streams_;
-  cudaEvent_t fork_event_ = nullptr;
-  std::vector<cudaEvent_t> join_events_;
+  std::vector<CudaStream> chain_streams_;
+  CudaEvent fork_event_;
+  std::vector<CudaEvent> join_events_;
   int forced_chains_ = 0;  // M3_CUDA_CHAINS (A/B): chains per bucket, 0 = planned
   // The sampling kernels pull the next step's first weights into L2 (M3_CUDA_NEXT_STEP_PREFETCH=0: not).
   bool next_step_prefetch_ = true;
@@ -152,8 +163,8 @@ class CudaEngine final : public Engine {
   // table_stream_ while the step before it runs (the other table), so no copy sits
   // between two steps.
   DeviceBuffer table_;
-  cudaStream_t table_stream_ = nullptr;
-  cudaEvent_t table_ready_[kMaxQueuedSteps] = {};
+  CudaStream table_stream_;
+  CudaEvent table_ready_[kMaxQueuedSteps];
   DeviceBuffer params_dev_;  // SlotSampling [max_slots + 1]
   DeviceBuffer counters_;    // uint64 [max_slots + 1]
   DeviceBuffer last_token_;  // int32 [max_slots + 1]
@@ -165,7 +176,7 @@ class CudaEngine final : public Engine {
   PinnedBuffer table_host_, params_host_;
   PinnedBuffer sampled_host_;
   int32_t* sampled_mapped_ = nullptr;  // sampled_host_ as the device addresses it
-  cudaEvent_t step_done_[kMaxQueuedSteps] = {};
+  CudaEvent step_done_[kMaxQueuedSteps];
   size_t table_ints() const { return 3 * static_cast<size_t>(max_bucket_); }
   std::vector<kernels::SlotSampling> params_;  // as set_sampling left them
 
@@ -173,7 +184,7 @@ class CudaEngine final : public Engine {
   std::vector<int> bucket_of_batch_;  // index into graphs_ for 1..max_slots
   std::vector<DecodeGraph> graphs_;   // per bucket, reading table 0 (m3bench's replays too)
   std::vector<DecodeGraph> graphs_table1_;  // the same steps reading table 1
-  std::vector<cudaEvent_t> timing_events_;
+  std::vector<CudaEvent> timing_events_;
 
   bool params_dirty_ = true;
   std::vector<uint8_t> has_sample_;
@@ -181,6 +192,10 @@ class CudaEngine final : public Engine {
   std::vector<uint64_t> seen_in_step_;
   uint64_t step_serial_ = 0;
   EngineStats stats_;
+  // Set when a CUDA call failed after a step, reset or collection had started on the
+  // device: what is queued there and the host's bookkeeping (state parities, queue) may
+  // disagree, so every later step would risk wrong tokens. Empty while usable.
+  std::string failure_;
 };
 
 }  // namespace m3::cuda

@@ -69,7 +69,7 @@ std::vector<StepVariant> CudaEngine::step_variant_candidates(int batch) const {
 
 // One candidate: taken as it is. Several: each is captured (when graphs are on) and
 // replayed in turns on the bucket's rows (the scratch slot at load), the fastest by median
-// kept, the others released.
+// kept, the others released with `candidates` (also when a capture or replay throws).
 DecodeGraph CudaEngine::choose_step_variant(std::vector<DecodeGraph> candidates) {
   if (candidates.size() == 1) return std::move(candidates.front());
   if (use_graphs_) {
@@ -87,11 +87,6 @@ DecodeGraph CudaEngine::choose_step_variant(std::vector<DecodeGraph> candidates)
   for (size_t i = 0; i < candidates.size(); ++i) {
     measured.emplace_back(candidates[i].variant, median(us[i]));
     if (measured[i].second < measured[best].second) best = i;
-  }
-  for (size_t i = 0; i < candidates.size(); ++i) {
-    if (i == best) continue;
-    if (candidates[i].exec) cudaGraphExecDestroy(candidates[i].exec);
-    if (candidates[i].graph) cudaGraphDestroy(candidates[i].graph);
   }
   DecodeGraph chosen = std::move(candidates[best]);
   chosen.measured = std::move(measured);

@@ -7,6 +7,7 @@
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "gpu_test_util.h"
@@ -520,6 +521,58 @@ TEST_F(CudaEngineTest, RejectsBadArguments) {
   EXPECT_EQ(e->queued_steps(), 0);
   expect_call_error([&] { e->reset(-1); }, "reset: slot -1 is out of range");
   expect_call_error([&] { e->set_sampling(0, {1.f, -1, 1.f, 0}); }, "set_sampling: slot 0");
+}
+
+TEST_F(CudaEngineTest, RefusesAShapeItsKernelsCannotRunInTheConfigsTerms) {
+  M3_REQUIRE_CUDA_DEVICE();
+  // d_state 260 validates (the CPU engine runs it); the recurrence kernels take at most 256.
+  // Refused before any weight is uploaded, naming the config key rather than a kernel.
+  ModelConfig c = testing::small_config();
+  c.ssm.d_state = 260;
+  load(c);
+  const std::string msg = test::error_of<std::invalid_argument>([&] { cuda(1); });
+  EXPECT_NE(msg.find("cuda engine: cannot run this model: ssm_cfg.d_state = 260 must be a multiple of 4, at "
+                     "most 256 (the cpu backend can)"),
+            std::string::npos)
+      << msg;
+}
+
+// A server builds its engine on one thread and steps it on its scheduler's, whose current
+// device is 0 unless set: the engine must make its own device current.
+TEST_F(CudaEngineTest, StepsFromAnotherThreadOnItsOwnDevice) {
+  M3_REQUIRE_CUDA_DEVICE();
+  if (cuda_device_count() < 2) GTEST_SKIP() << "needs two CUDA devices (" << cuda_device_count() << " visible)";
+  load(testing::small_config());
+  for (bool graphs : {true, false}) {  // without graphs every launch names a stream of device 1
+    SCOPED_TRACE(graphs ? "graphs" : "direct launches");
+    EngineOptions o;
+    o.max_slots = 2;
+    o.device = 1;
+    o.use_graphs = graphs;
+    auto e = make_cuda_engine(*weights_, o);
+    auto reference = cpu(2);
+    const std::vector<int32_t> slots = {1, 0}, tokens = {11, 42};
+    std::vector<int32_t> got(2), want(2);
+    reference->step(slots, tokens, want);
+    std::string error;
+    std::thread scheduler([&] {
+      try {
+        M3_CUDA_CHECK(cudaSetDevice(0));
+        e->step(slots, tokens, got);
+        e->reset(0);
+        e->submit_step(slots, std::vector<int32_t>{kContinueToken, 7});
+        std::vector<int32_t> next(2);
+        e->collect_step(next);
+      } catch (const std::exception& ex) {
+        error = ex.what();
+      }
+    });
+    scheduler.join();
+    EXPECT_EQ(error, "");
+    EXPECT_EQ(got, want);
+    M3_CUDA_CHECK(cudaSetDevice(0));
+    e.reset();  // destroyed from a thread whose current device is 0 as well
+  }
 }
 
 }  // namespace
