@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <map>
 #include <sstream>
 #include <stdexcept>
 #include <variant>
@@ -161,6 +162,37 @@ std::string read_file(const std::string& path) {
   return ss.str();
 }
 
+// The file's one YAML document (null when the file is empty). A second document (after
+// a "---" line) is refused rather than ignored: its settings would silently not apply.
+YAML::Node load_one_document(const std::string& yaml_text, const std::string& source) {
+  std::vector<YAML::Node> documents;
+  try {
+    documents = YAML::LoadAll(yaml_text);
+  } catch (const YAML::Exception& e) {
+    throw std::invalid_argument(source + ": not valid YAML: " + e.what());
+  }
+  if (documents.size() > 1)
+    throw std::invalid_argument(source + ": holds " + std::to_string(documents.size()) +
+                                " YAML documents (separated by '---'); a config file is one "
+                                "mapping of settings");
+  return documents.empty() ? YAML::Node() : documents.front();
+}
+
+// A key of the top-level mapping as a setting name. A list or mapping as a key (e.g.
+// "[a, b]: 1") is named by its line and its text, not converted (yaml-cpp's "bad
+// conversion" would name neither the file nor the key).
+std::string setting_name(const YAML::Node& key, const std::string& source) {
+  if (key.IsScalar()) return key.Scalar();
+  if (key.IsNull()) return "";  // "~: 1" or ": 1": refused below as an unknown key ''
+  YAML::Emitter text;
+  text << YAML::Flow << key;
+  std::string shown = text.c_str();
+  if (shown.size() > 40) shown = shown.substr(0, 40) + "...";
+  throw std::invalid_argument(source + ": line " + std::to_string(key.Mark().line + 1) + ": key " +
+                              shown + " is a list or mapping; keys are setting names (known: " +
+                              known_keys() + ")");
+}
+
 }  // namespace
 
 void ServerConfig::validate() const {
@@ -190,17 +222,18 @@ void ServerConfig::validate() const {
 
 ServerConfig parse_server_config_yaml(const std::string& yaml_text, const std::string& source,
                                       ServerConfig base) {
-  YAML::Node root;
-  try {
-    root = YAML::Load(yaml_text);
-  } catch (const YAML::Exception& e) {
-    throw std::invalid_argument(source + ": not valid YAML: " + e.what());
-  }
+  const YAML::Node root = load_one_document(yaml_text, source);
   if (root.IsNull()) return base;  // an empty file: all defaults
   if (!root.IsMap())
     throw std::invalid_argument(source + ": expected a mapping of settings at the top level");
+  std::map<std::string, int> line_of_key;  // keys seen so far (a repeated key is refused)
   for (const auto& item : root) {
-    const std::string key = item.first.as<std::string>();
+    const std::string key = setting_name(item.first, source);
+    const int line = item.first.Mark().line + 1;
+    if (auto [seen, first] = line_of_key.emplace(key, line); !first)
+      throw std::invalid_argument(source + ": key '" + key + "' is given twice (lines " +
+                                  std::to_string(seen->second) + " and " + std::to_string(line) +
+                                  "); give each setting once");
     const Setting* setting = find_setting(key);
     if (!setting)
       throw std::invalid_argument(source + ": unknown key '" + key + "' (known: " + known_keys() +

@@ -65,6 +65,27 @@ TEST(ServerConfigTest, BadFilesAreRefusedWithTheirReason) {
             "/nonexistent/server.yaml: cannot open the config file");
 }
 
+// Files yaml-cpp reads without complaint that would not do what they say: each refusal
+// names the file, and the key where there is one.
+TEST(ServerConfigTest, AmbiguousFilesAreRefused) {
+  EXPECT_EQ(error_of([] { from_yaml("max_batch: 5000\nmax_batch: 8\n"); }),
+            "server.yaml: key 'max_batch' is given twice (lines 1 and 2); give each setting once");
+  EXPECT_EQ(error_of([] { from_yaml("backend: cpu\nmax_batch: 3\n---\nmax_batch: 4\n"); }),
+            "server.yaml: holds 2 YAML documents (separated by '---'); a config file is one "
+            "mapping of settings");
+  EXPECT_EQ(error_of([] { from_yaml("max_batch: 3\n---\n"); }).substr(0, 35),
+            "server.yaml: holds 2 YAML documents");
+  // Up to the list of known keys.
+  const auto named = [](const std::string& e) { return e.substr(0, e.find(" (known: ")); };
+  EXPECT_EQ(named(error_of([] { from_yaml("max_batch: 3\n[a, b]: 1\n"); })),
+            "server.yaml: line 2: key [a, b] is a list or mapping; keys are setting names");
+  EXPECT_EQ(named(error_of([] { from_yaml("{x: 1}: 2\n"); })),
+            "server.yaml: line 1: key {x: 1} is a list or mapping; keys are setting names");
+  // One document, with or without its "---", and an empty file are fine.
+  EXPECT_EQ(from_yaml("---\nmax_batch: 3\n").max_batch, 3);
+  EXPECT_EQ(from_yaml("# nothing set\n").max_batch, ServerConfig{}.max_batch);
+}
+
 TEST(ServerConfigTest, OutOfRangeValuesAreRefused) {
   EXPECT_EQ(error_of([] { from_yaml("max_batch: 0\n"); }),
             "max_batch must be between 1 and 1024, got 0");
