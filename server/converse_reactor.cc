@@ -5,6 +5,10 @@ namespace m3 {
 ConverseReactor::ConverseReactor(ServiceContext& ctx, grpc::CallbackServerContext* call)
     : ctx_(ctx), call_(call), start_(Clock::now()), writer_(ctx) {
   session_id_ = ctx.make_request_id("conv-");
+  if (!ctx.unstarted_sessions.add(this)) {  // shutdown began: no new session
+    complete(StreamStatus::kUnavailable, "the server is shutting down");
+    return;
+  }
   StartRead(&request_);
 }
 
@@ -16,7 +20,7 @@ void ConverseReactor::OnReadDone(bool ok) {
       seq = seq_;
     }
     if (!seq) {
-      complete(StreamStatus::kOk, "");
+      end_without_session();
       return;
     }
     seq->close_input();
@@ -40,7 +44,6 @@ ConverseReactor::Handled ConverseReactor::handle(const v1::ConverseRequest& r) {
         return Handled::kStop;
       }
       config_ = r.config();
-      if (!config_.session_id().empty()) session_id_ = config_.session_id();
       return start_session() ? Handled::kContinue : Handled::kStop;
     }
     case v1::ConverseRequest::kInput:
@@ -79,6 +82,12 @@ ConverseReactor::Handled ConverseReactor::handle(const v1::ConverseRequest& r) {
         return Handled::kStop;
       }
       if (!seq_ && !start_session()) return Handled::kStop;
+      if (turn_input_tokens_ == 0) {  // a turn of end_turn alone still waits its turn
+        if (auto e = check_pending_input(1); !e.empty()) {
+          end_session(StreamStatus::kResourceExhausted, e);
+          return Handled::kStop;
+        }
+      }
       seq_->end_turn(max_new);
       ++turns_ended_;
       turn_input_tokens_ = 0;
@@ -106,12 +115,32 @@ ConverseReactor::Handled ConverseReactor::add_input(std::vector<int32_t> ids, co
     return Handled::kStop;
   }
   if (!seq_ && !start_session()) return Handled::kStop;
+  if (auto e = check_pending_input(ids.size()); !e.empty()) {
+    end_session(StreamStatus::kResourceExhausted, e);
+    return Handled::kStop;
+  }
   seq_->add_input(ids);
   ctx_.scheduler->wake();
   return Handled::kContinue;
 }
 
+std::string ConverseReactor::check_pending_input(size_t more) {
+  // Input sent while a reply runs waits for it (it belongs to the next turn); without a
+  // bound, a client streaming turns faster than the replies would grow it without end.
+  // Only this thread adds input and the engine only takes it, so the check holds.
+  const size_t pending = seq_->pending_input_tokens() + more;
+  const auto limit = static_cast<size_t>(ctx_.limits.max_prompt_tokens);
+  if (pending <= limit) return "";
+  return "the session's input runs ahead of its replies: " + std::to_string(pending) +
+         " input tokens would wait to be fed to the model, this server's limit is " +
+         std::to_string(limit) + " (max_prompt_tokens); wait for a reply before sending more turns";
+}
+
 bool ConverseReactor::start_session() {
+  // From here the scheduler (or the refusal below) ends the stream; when a shutdown took
+  // it first, the shutdown finishes it.
+  if (!ctx_.unstarted_sessions.take(this)) return false;
+  if (!config_.session_id().empty()) session_id_ = config_.session_id();
   SequenceParams params;
   params.request_id = session_id_;
   params.session = true;
@@ -135,26 +164,42 @@ bool ConverseReactor::start_session() {
 }
 
 void ConverseReactor::fail(const std::string& message) {
+  end_session(StreamStatus::kInvalidArgument, message);
+}
+
+void ConverseReactor::end_session(StreamStatus status, const std::string& message) {
   std::shared_ptr<Sequence> seq;
   {
     std::lock_guard lock(seq_mu_);
     seq = seq_;
   }
   if (!seq) {
-    complete(StreamStatus::kInvalidArgument, message);
-    return;
+    if (ctx_.unstarted_sessions.take(this)) complete(status, message);
+    return;  // else a shutdown took the stream and finishes it
   }
   // The scheduler owns the stream's end: it frees the slot, then the writer finishes.
-  seq->request_cancel(StreamStatus::kInvalidArgument, message);
+  seq->request_cancel(status, message);
   ctx_.scheduler->wake();
 }
 
+void ConverseReactor::end_without_session() {
+  if (!ctx_.unstarted_sessions.take(this)) return;  // a shutdown finishes it
+  record_at_done_ = true;
+  Finish(grpc::Status::OK);
+}
+
+void ConverseReactor::end_unstarted(StreamStatus status, const std::string& message) {
+  complete(status, message);
+}
+
 void ConverseReactor::flush() {
-  const auto fill_turn_finished = [](const TurnEnd& end, v1::ConverseResponse* response) {
+  const uint64_t seed = seq_->params().sampling.seed;  // drawn at the start when none was given
+  const auto fill_turn_finished = [seed](const TurnEnd& end, v1::ConverseResponse* response) {
     v1::TurnFinished* f = response->mutable_turn_finished();
     f->set_turn(end.turn);
     f->set_reason(to_proto(end.reason));
     fill_timings(end.stats, f->mutable_timings());
+    f->set_seed(seed);
   };
   writer_.drain(*seq_, fill_turn_finished, [this](v1::ConverseResponse* response) { StartWrite(response); },
                 [this](StreamStatus status, const std::string& message) { complete(status, message); });
@@ -174,14 +219,32 @@ void ConverseReactor::OnCancel() {
     std::lock_guard lock(seq_mu_);
     seq = seq_;
   }
-  if (!seq) return;  // the pending read fails and finishes the stream
+  if (!seq) return;  // the pending read fails and finishes the stream (OnDone records it)
   request_cancel_for_call_end(*seq, *call_);
   ctx_.scheduler->wake();
 }
 
-void ConverseReactor::OnDone() { delete this; }
+void ConverseReactor::OnDone() {
+  if (record_at_done_) {
+    // OnCancel and the failed read came in either order; now the call is done, so
+    // IsCancelled() is certain: a call cancelled before its first message is a
+    // cancellation, one the client closed having sent nothing is ok.
+    if (call_->IsCancelled()) {
+      const CallEnd end = call_end_reason(*call_);
+      record(end.status, end.message);
+    } else {
+      record(StreamStatus::kOk, "");
+    }
+  }
+  delete this;
+}
 
 void ConverseReactor::complete(StreamStatus status, const std::string& message) {
+  record(status, message);
+  Finish(to_grpc_status(status, message));
+}
+
+void ConverseReactor::record(StreamStatus status, const std::string& message) {
   RequestRecord record;
   record.method = "Converse";
   record.request_id = session_id_;
@@ -193,7 +256,6 @@ void ConverseReactor::complete(StreamStatus status, const std::string& message) 
   }
   record.duration_ms = std::chrono::duration<double, std::milli>(Clock::now() - start_).count();
   record_request_end(ctx_, record);
-  Finish(to_grpc_status(status, message));
 }
 
 }  // namespace m3

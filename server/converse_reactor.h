@@ -1,7 +1,12 @@
 // One Converse session: reads the client's events (optional config first, then input
 // tokens and end_turn markers, as they arrive) and feeds them to its Sequence, which
 // keeps one engine slot for the whole session; writes each reply (coalesced Tokens
-// messages, then TurnFinished). Protocol errors end the session with INVALID_ARGUMENT.
+// messages, then TurnFinished). Protocol errors end the session with INVALID_ARGUMENT;
+// input running more than max_prompt_tokens ahead of the engine (turns sent while a reply
+// runs) ends it with RESOURCE_EXHAUSTED.
+//
+// Until its first message starts the session the stream is in ServiceContext's
+// UnstartedSessions, so a shutdown can end it (the scheduler does not know it yet).
 #pragma once
 
 #include <memory>
@@ -19,7 +24,8 @@ namespace m3 {
 
 class ConverseReactor final
     : public grpc::ServerBidiReactor<v1::ConverseRequest, v1::ConverseResponse>,
-      public StreamWriter {
+      public StreamWriter,
+      public UnstartedSessions::Stream {
  public:
   ConverseReactor(ServiceContext& ctx, grpc::CallbackServerContext* call);
 
@@ -28,14 +34,22 @@ class ConverseReactor final
   void OnWriteDone(bool ok) override;
   void OnCancel() override;
   void OnDone() override;
+  void end_unstarted(StreamStatus status, const std::string& message) override;
 
  private:
   enum class Handled { kContinue, kStop };
   Handled handle(const v1::ConverseRequest& request);
   Handled add_input(std::vector<int32_t> ids, const char* field);
-  bool start_session();  // false: refused, and the stream is finished
+  // "" or the RESOURCE_EXHAUSTED message when `more` tokens would put the session's input
+  // not yet taken by the engine over max_prompt_tokens.
+  std::string check_pending_input(size_t more);
+  // false: refused or shutting down, and the stream is finished (or being finished).
+  bool start_session();
   void fail(const std::string& message);  // INVALID_ARGUMENT
-  void complete(StreamStatus status, const std::string& message);
+  void end_session(StreamStatus status, const std::string& message);
+  void end_without_session();  // the client's side ended before it started a session
+  void complete(StreamStatus status, const std::string& message);  // record, then Finish
+  void record(StreamStatus status, const std::string& message);
 
   ServiceContext& ctx_;
   grpc::CallbackServerContext* call_;
@@ -51,6 +65,9 @@ class ConverseReactor final
 
   std::mutex seq_mu_;  // seq_ is set by the reader and read by OnCancel
   std::shared_ptr<Sequence> seq_;
+  // Set before Finish when the stream ended without a session: whether the client closed
+  // its side or the call was cancelled is certain only in OnDone, which records it.
+  bool record_at_done_ = false;
 
   OutboxWriter<v1::ConverseResponse> writer_;
 };

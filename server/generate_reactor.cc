@@ -5,7 +5,7 @@ namespace m3 {
 GenerateReactor::GenerateReactor(ServiceContext& ctx, grpc::CallbackServerContext* call,
                                  const v1::GenerateRequest* request)
     : ctx_(ctx), call_(call), start_(Clock::now()), writer_(ctx) {
-  request_id_ = request->request_id().empty() ? ctx.make_request_id("gen-") : request->request_id();
+  request_id_ = id_to_log(*request);
   std::vector<int32_t> prompt;
   std::string error = check_generate_request(*request, ctx.limits);
   if (error.empty()) error = read_prompt(*request, &prompt);
@@ -28,6 +28,15 @@ GenerateReactor::GenerateReactor(ServiceContext& ctx, grpc::CallbackServerContex
   seq_->close_input();
   Scheduler::Admission admission = ctx.scheduler->submit(seq_);
   if (admission.status != StreamStatus::kOk) complete(admission.status, admission.message);
+}
+
+std::string GenerateReactor::id_to_log(const v1::GenerateRequest& request) {
+  // A client's id is logged and echoed only once it is known to be short and free of
+  // control characters: a newline in it would forge log lines. A refused one is replaced
+  // (the refusal's message says what was wrong with it).
+  if (request.request_id().empty() || !check_request_id(request.request_id(), "request_id").empty())
+    return ctx_.make_request_id("gen-");
+  return request.request_id();
 }
 
 std::string GenerateReactor::read_prompt(const v1::GenerateRequest& request,

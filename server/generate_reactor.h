@@ -26,6 +26,8 @@ class GenerateReactor final : public grpc::ServerWriteReactor<v1::GenerateRespon
   void OnDone() override;
 
  private:
+  // The request's id when it is valid, else one the server makes.
+  std::string id_to_log(const v1::GenerateRequest& request);
   // Returns "" or the INVALID_ARGUMENT message.
   std::string read_prompt(const v1::GenerateRequest& request, std::vector<int32_t>* prompt);
   void complete(StreamStatus status, const std::string& message);

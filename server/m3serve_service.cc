@@ -55,15 +55,18 @@ Clock::time_point steady_deadline(std::chrono::system_clock::time_point deadline
   return Clock::now() + std::chrono::duration_cast<Clock::duration>(left);
 }
 
-void request_cancel_for_call_end(Sequence& seq, const grpc::CallbackServerContext& call) {
+CallEnd call_end_reason(const grpc::CallbackServerContext& call) {
   // The client's own deadline fires first and its cancellation reaches us slightly before
   // ours (one network delay): a call that ends this close to its deadline ran out of time.
   constexpr auto kDeadlineSlack = std::chrono::milliseconds(50);
-  if (call.deadline() <= std::chrono::system_clock::now() + kDeadlineSlack) {
-    seq.request_cancel(StreamStatus::kDeadlineExceeded, "deadline exceeded");
-  } else {
-    seq.request_cancel(StreamStatus::kCancelled, "cancelled by the client");
-  }
+  if (call.deadline() <= std::chrono::system_clock::now() + kDeadlineSlack)
+    return {StreamStatus::kDeadlineExceeded, "deadline exceeded"};
+  return {StreamStatus::kCancelled, "cancelled by the client"};
+}
+
+void request_cancel_for_call_end(Sequence& seq, const grpc::CallbackServerContext& call) {
+  CallEnd end = call_end_reason(call);
+  seq.request_cancel(end.status, std::move(end.message));
 }
 
 void record_request_end(ServiceContext& ctx, const RequestRecord& record) {

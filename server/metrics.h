@@ -39,6 +39,7 @@ class ServerMetrics {
   void observe_inter_token_latency(double seconds);
   void observe_request_duration(double seconds);
 
+  // Tokens written to clients' streams (what they receive; not tokens a stream dropped).
   void add_tokens_generated(uint64_t n);
   void count_request(std::string_view final_status);
   void add_graph_replays(uint64_t n);

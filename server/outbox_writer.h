@@ -2,6 +2,8 @@
 // Sequence's outbox holds into one response message at a time (tokens coalesced into one
 // Tokens message, then a turn end), and remembers a failed write (the call is gone):
 // after that nothing more is written, but the outbox is still drained to its close.
+// It counts the tokens it writes (m3serve_tokens_generated_total): tokens the outbox
+// drops (a slow reader's, or at an error) never reach the client and are not counted.
 #pragma once
 
 #include <memory>
@@ -9,6 +11,7 @@
 #include <vector>
 
 #include "model/tokenizer.h"
+#include "server/metrics.h"
 #include "server/sequence.h"
 #include "server/service_context.h"
 
@@ -17,7 +20,7 @@ namespace m3 {
 template <class Response>
 class OutboxWriter {
  public:
-  explicit OutboxWriter(const ServiceContext& ctx) {
+  explicit OutboxWriter(const ServiceContext& ctx) : metrics_(ctx.metrics) {
     if (ctx.tokenizer) detokenizer_ = std::make_unique<StreamDetokenizer>(*ctx.tokenizer);
     tokens_.reserve(ctx.stream_buffer_tokens);
   }
@@ -36,6 +39,8 @@ class OutboxWriter {
         case TokenOutbox::Item::kTokens:
           if (write_failed_) continue;
           fill_tokens(tokens_, detokenizer_.get(), &text_, response_.mutable_tokens());
+          // Counted before the client can see them, so a scrape never lags a stream.
+          if (metrics_) metrics_->add_tokens_generated(tokens_.size());
           write(&response_);
           return;
         case TokenOutbox::Item::kTurnEnd:
@@ -59,6 +64,7 @@ class OutboxWriter {
   }
 
  private:
+  ServerMetrics* metrics_;  // may be null
   // Touched only by whoever holds the outbox's writer turn.
   Response response_;
   std::vector<int32_t> tokens_;

@@ -311,8 +311,6 @@ void Scheduler::emit(int i, int32_t token, Clock::time_point now) {
   }
   s.last_token_time = now;
   s.last_emitted = token;
-  // Counted before the client can see the token, so a scrape never lags a stream.
-  if (metrics_) metrics_->add_tokens_generated(1);
 
   switch (seq.outbox().push(token)) {
     case TokenOutbox::Push::kQueued:

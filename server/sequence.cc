@@ -11,6 +11,7 @@ void Sequence::add_input(std::span<const int32_t> tokens) {
     std::lock_guard lock(input_mu_);
     if (input_.empty() || input_.back().end_turn) input_.emplace_back();
     input_.back().tokens.insert(input_.back().tokens.end(), tokens.begin(), tokens.end());
+    pending_tokens_ += tokens.size();
   }
   mark_input_changed();
 }
@@ -18,7 +19,10 @@ void Sequence::add_input(std::span<const int32_t> tokens) {
 void Sequence::end_turn(uint32_t max_new_tokens) {
   {
     std::lock_guard lock(input_mu_);
-    if (input_.empty() || input_.back().end_turn) input_.emplace_back();
+    if (input_.empty() || input_.back().end_turn) {
+      input_.emplace_back();  // a turn with no input: it will feed the last reply's token
+      ++pending_tokens_;
+    }
     input_.back().end_turn = true;
     input_.back().max_new_tokens = max_new_tokens;
     input_.back().end_turn_time = Clock::now();
@@ -60,6 +64,7 @@ Sequence::InputSegment Sequence::take_input(std::vector<int32_t>* feed) {
   while (!input_.empty()) {
     InputSegment& front = input_.front();
     feed->insert(feed->end(), front.tokens.begin(), front.tokens.end());
+    pending_tokens_ -= front.tokens.empty() ? 1 : front.tokens.size();
     if (front.end_turn) {
       result.end_turn = true;
       result.max_new_tokens = front.max_new_tokens;
@@ -70,6 +75,11 @@ Sequence::InputSegment Sequence::take_input(std::vector<int32_t>* feed) {
     input_.pop_front();
   }
   return result;
+}
+
+size_t Sequence::pending_input_tokens() {
+  std::lock_guard lock(input_mu_);
+  return pending_tokens_;
 }
 
 bool Sequence::input_closed_and_empty() {

@@ -59,6 +59,10 @@ class Sequence {
   // reply of max_new_tokens (already resolved against the session's value).
   void add_input(std::span<const int32_t> tokens);
   void end_turn(uint32_t max_new_tokens);
+  // Input the engine thread has not taken yet (turns waiting for an earlier reply to end,
+  // and the current turn's tokens sent since the last step), in tokens; a turn with no
+  // input of its own counts one, the previous reply's last token it will feed.
+  size_t pending_input_tokens();
   void close_input();  // the client will send nothing more
   // Ends the sequence at the next token boundary with this status.
   void request_cancel(StreamStatus status, std::string message);
@@ -91,6 +95,7 @@ class Sequence {
 
   std::mutex input_mu_;
   std::deque<InputSegment> input_;
+  size_t pending_tokens_ = 0;  // in input_, as pending_input_tokens() counts them
   bool input_closed_ = false;
   std::atomic<bool> input_changed_{false};
 

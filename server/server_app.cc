@@ -119,6 +119,8 @@ ServerApp::ServerApp(const ServerConfig& config, std::shared_ptr<spdlog::logger>
 
 ServerApp::~ServerApp() { shutdown(std::chrono::seconds(0)); }
 
+size_t ServerApp::sessions_not_started() const { return context_->unstarted_sessions.size(); }
+
 std::string ServerApp::address() const {
   return config_.listen.substr(0, config_.listen.rfind(':')) + ":" + std::to_string(port_);
 }
@@ -128,6 +130,13 @@ void ServerApp::shutdown(std::chrono::duration<double> grace) {
   stopped_ = true;
   server_->GetHealthCheckService()->SetServingStatus(false);
   scheduler_->stop_accepting();
+  // Converse streams that have sent nothing are not the scheduler's: end them now, as
+  // sessions are ended (they have nothing to finish, and a first message would be refused).
+  if (const size_t unstarted = context_->unstarted_sessions.end_all(StreamStatus::kUnavailable,
+                                                                    "the server is shutting down");
+      unstarted > 0)
+    logger_->info("shutting down: ended {} Converse streams that had started no session",
+                  unstarted);
   const auto grace_steady = std::chrono::duration_cast<std::chrono::steady_clock::duration>(grace);
   const auto deadline = std::chrono::steady_clock::now() + grace_steady;
   // gRPC stops listening at once and waits for the streams (we end them below).

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <chrono>
+#include <cstddef>
 #include <memory>
 #include <string>
 
@@ -39,6 +40,8 @@ class ServerApp {
   ServerMetrics& metrics() { return *metrics_; }
   const Engine& engine() const { return *engine_; }
   bool demo_model() const { return demo_model_; }
+  // Converse streams open without a session yet (nothing sent); shutdown ends them at once.
+  size_t sessions_not_started() const;
 
   // Stops accepting; in-flight streams get `grace` to finish, then are cancelled
   // (Generate: Finished with reason CANCELLED; Converse: UNAVAILABLE). Idempotent.

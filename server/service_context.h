@@ -14,6 +14,7 @@
 #include "server/request_log.h"
 #include "server/request_validation.h"
 #include "server/scheduler.h"
+#include "server/unstarted_sessions.h"
 
 namespace m3 {
 
@@ -29,6 +30,7 @@ struct ServiceContext {
   RequestLimits limits;
   size_t stream_buffer_tokens = 1024;
   v1::ModelInfo model_info;
+  UnstartedSessions unstarted_sessions;  // Converse streams with no session yet
   std::atomic<uint64_t> request_counter{0};
 
   std::string make_request_id(const char* prefix) { return prefix + std::to_string(++request_counter); }
@@ -43,8 +45,14 @@ void fill_tokens(const std::vector<int32_t>& ids, StreamDetokenizer* detokenizer
                  std::string* text, v1::Tokens* out);
 // gRPC deadlines are wall-clock; the scheduler compares steady-clock times.
 Clock::time_point steady_deadline(std::chrono::system_clock::time_point deadline);
-// The call ended under the stream (client cancel, deadline, broken connection): ends
-// the sequence at the next token boundary with the status that says which.
+// The call ended under the stream (client cancel, deadline, broken connection): the
+// status that says which (kCancelled or kDeadlineExceeded) and its message.
+struct CallEnd {
+  StreamStatus status;
+  std::string message;
+};
+CallEnd call_end_reason(const grpc::CallbackServerContext& call);
+// Ends the sequence at the next token boundary with call_end_reason(call).
 void request_cancel_for_call_end(Sequence& seq, const grpc::CallbackServerContext& call);
 // After a stream ends: the request counter, the duration histogram, the log line.
 void record_request_end(ServiceContext& ctx, const RequestRecord& record);

@@ -253,8 +253,9 @@ int run_converse(const Flags& flags) {
       } else if (response.has_turn_finished()) {
         printer.end_line(/*always=*/true);
         const auto& finished = response.turn_finished();
-        std::fprintf(stderr, "turn %u finished: %s\n", finished.turn(),
-                     std::string(finish_reason_name(finished.reason())).c_str());
+        std::fprintf(stderr, "turn %u finished: %s, seed %llu\n", finished.turn(),
+                     std::string(finish_reason_name(finished.reason())).c_str(),
+                     static_cast<unsigned long long>(finished.seed()));
         print_timings(finished.timings(), first_token_ms, ms_since(start));
         turn_done = true;
       }

@@ -79,12 +79,14 @@ class ScriptedService final : public m3serve::v1::M3Serve::Service {
       grpc::ServerReaderWriter<m3serve::v1::ConverseResponse, m3serve::v1::ConverseRequest>* stream)
       override {
     uint32_t max_new_tokens = 2;
+    uint64_t seed = 0;
     uint32_t turn = 0;
     int inputs = 0;
     m3serve::v1::ConverseRequest request;
     while (stream->Read(&request)) {
       if (request.has_config()) {
         max_new_tokens = request.config().max_new_tokens();
+        seed = request.config().sampling().has_seed() ? request.config().sampling().seed() : 4343;
       } else if (request.has_input()) {
         inputs += request.input().ids_size();
       } else if (request.has_input_text()) {
@@ -98,6 +100,7 @@ class ScriptedService final : public m3serve::v1::M3Serve::Service {
         m3serve::v1::ConverseResponse done;
         done.mutable_turn_finished()->set_turn(turn);
         done.mutable_turn_finished()->set_reason(m3serve::v1::FINISH_REASON_LENGTH);
+        done.mutable_turn_finished()->set_seed(seed);
         stream->Write(done);
         ++turn;
         inputs = 0;
@@ -213,8 +216,9 @@ TEST(M3cli, ConverseRepliesToEachLineOfStdin) {
                         "1,2,3\n\n4 5\n");
   EXPECT_EQ(run.exit_code, 0) << run.err;
   EXPECT_EQ(run.out, "3 3\n12 12\n");  // turn 0: 3 inputs; the blank line is skipped; turn 1: 2
-  EXPECT_TRUE(contains(run.err, "turn 0 finished: length")) << run.err;
-  EXPECT_TRUE(contains(run.err, "turn 1 finished: length")) << run.err;
+  // The seed the server reports (it drew one: the session sets none), as Generate's is.
+  EXPECT_TRUE(contains(run.err, "turn 0 finished: length, seed 4343")) << run.err;
+  EXPECT_TRUE(contains(run.err, "turn 1 finished: length, seed 4343")) << run.err;
 }
 
 TEST(M3cli, ConverseReportsAServerThatEndsTheSession) {

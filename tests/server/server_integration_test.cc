@@ -4,6 +4,7 @@
 
 #include <grpcpp/generic/generic_stub.h>
 
+#include <functional>
 #include <future>
 #include <regex>
 #include <thread>
@@ -38,6 +39,16 @@ double requests_with_status(ServerApp& app, const std::string& status) {
 bool wait_for_requests(ServerApp& app, const std::string& status, double value) {
   for (int i = 0; i < 500; ++i) {
     if (requests_with_status(app, status) >= value) return true;
+    std::this_thread::sleep_for(10ms);
+  }
+  return false;
+}
+
+// Polls until `done` holds (what the server does after the client sees a stream end,
+// or before it tells the client anything).
+bool eventually(const std::function<bool()>& done) {
+  for (int i = 0; i < 500; ++i) {
+    if (done()) return true;
     std::this_thread::sleep_for(10ms);
   }
   return false;
@@ -134,6 +145,7 @@ TEST(ServerTest, ThreeTurnConverseEqualsTheConcatenatedGenerate) {
         }
       }
       EXPECT_EQ(reply.finished.turn(), replies.size());
+      EXPECT_EQ(reply.finished.seed(), 99u);
       EXPECT_EQ(reply.tokens.size(), 12u);
       replies.push_back(reply);
     }
@@ -190,6 +202,104 @@ TEST(ServerTest, ConverseInputSentDuringAReplyBelongsToTheNextTurn) {
   EXPECT_EQ(replies[1], engine_generate(whole, 8));
 }
 
+// One turn of a new session: `config`, then kPrompt and the turn's end; the reply.
+ConverseTurn one_turn_session(v1::M3Serve::Stub& stub, const v1::ConverseRequest& config) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + 30s);
+  auto stream = stub.Converse(&ctx);
+  v1::ConverseRequest input, end;
+  for (int32_t id : kPrompt) input.mutable_input()->add_ids(id);
+  end.mutable_end_turn();
+  EXPECT_TRUE(stream->Write(config));
+  EXPECT_TRUE(stream->Write(input));
+  EXPECT_TRUE(stream->Write(end));
+  stream->WritesDone();
+  ConverseTurn reply;
+  v1::ConverseResponse response;
+  while (stream->Read(&response)) {
+    if (response.has_tokens()) {
+      for (int32_t id : response.tokens().ids()) reply.tokens.push_back(id);
+    } else {
+      reply.finished = response.turn_finished();
+    }
+  }
+  const grpc::Status status = stream->Finish();
+  EXPECT_TRUE(status.ok()) << status.error_message();
+  return reply;
+}
+
+// A session that sets no seed gets one the server draws, reported at every turn's end
+// (as Generate's Finished reports it): given back, it makes the same reply.
+TEST(ServerTest, ConverseReportsTheSeedItDrew) {
+  TestServer server;
+  v1::ConverseRequest config;
+  config.mutable_config()->set_max_new_tokens(20);
+  config.mutable_config()->mutable_sampling()->set_temperature(1.0f);
+  const ConverseTurn drawn = one_turn_session(*server.stub, config);
+  ASSERT_EQ(drawn.tokens.size(), 20u);
+  const SamplingParams sampling{1.0f, 0, 1.0f, drawn.finished.seed()};
+  EXPECT_EQ(drawn.tokens, engine_generate(kPrompt, 20, sampling))
+      << "seed " << drawn.finished.seed();
+
+  config.mutable_config()->mutable_sampling()->set_seed(drawn.finished.seed());
+  const ConverseTurn replayed = one_turn_session(*server.stub, config);
+  EXPECT_EQ(replayed.finished.seed(), drawn.finished.seed());
+  EXPECT_EQ(replayed.tokens, drawn.tokens);
+}
+
+// Starts a session whose first reply runs long (8 input tokens, max_new_tokens 100000),
+// sends `ahead` once it runs (before reading any more of it), and returns the status.
+grpc::Status send_turns_during_a_reply(v1::M3Serve::Stub& stub,
+                                       const std::vector<v1::ConverseRequest>& ahead) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + 10s);
+  auto stream = stub.Converse(&ctx);
+  v1::ConverseRequest session, eight, end;
+  session.mutable_config()->set_max_new_tokens(100000);
+  for (int32_t id = 1; id <= 8; ++id) eight.mutable_input()->add_ids(id);
+  end.mutable_end_turn();
+  EXPECT_TRUE(stream->Write(session) && stream->Write(eight) && stream->Write(end));
+  v1::ConverseResponse response;
+  EXPECT_TRUE(stream->Read(&response));  // the reply runs: turn 0's input was all taken
+  EXPECT_TRUE(response.has_tokens());
+  for (const auto& m : ahead)
+    if (!stream->Write(m)) break;
+  stream->WritesDone();
+  while (stream->Read(&response)) {
+  }
+  return stream->Finish();
+}
+
+// Turns sent while a reply runs wait for it; a client that keeps sending them is stopped
+// once max_prompt_tokens of input wait (a turn with no input counts the one token it will
+// feed), and its slot serves the next request.
+TEST(ServerTest, ConverseInputRunningAheadOfTheRepliesIsBounded) {
+  ServerConfig config = one_slot_config();
+  config.max_prompt_tokens = 8;
+  TestServer server(config);
+  v1::ConverseRequest eight, end;
+  for (int32_t id = 1; id <= 8; ++id) eight.mutable_input()->add_ids(id);
+  end.mutable_end_turn();
+  const std::string limit_message =
+      " input tokens would wait to be fed to the model, this server's limit is 8 "
+      "(max_prompt_tokens); wait for a reply before sending more turns";
+  // Each turn is within the limit; the second one waiting is not.
+  grpc::Status status = send_turns_during_a_reply(*server.stub, {eight, end, eight, end, eight, end});
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << status.error_message();
+  EXPECT_EQ(status.error_message(), "the session's input runs ahead of its replies: 16" + limit_message);
+  ASSERT_TRUE(wait_for_requests(*server.app, "resource_exhausted", 1));
+  // With one slot and no queue, this is refused unless the session gave its slot back.
+  GenerateResult next = generate(*server.stub, generate_request(kPrompt, 3), 5s);
+  EXPECT_TRUE(next.status.ok()) << next.status.error_message();
+
+  // Turns of end_turn alone: eight may wait, the ninth may not.
+  status = send_turns_during_a_reply(*server.stub, std::vector<v1::ConverseRequest>(12, end));
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << status.error_message();
+  EXPECT_EQ(status.error_message(), "the session's input runs ahead of its replies: 9" + limit_message);
+  next = generate(*server.stub, generate_request(kPrompt, 3), 5s);
+  EXPECT_TRUE(next.status.ok()) << next.status.error_message();
+}
+
 TEST(ServerTest, CancellationFreesTheSlot) {
   TestServer server(one_slot_config());
   {
@@ -208,6 +318,47 @@ TEST(ServerTest, CancellationFreesTheSlot) {
   GenerateResult next = generate(*server.stub, generate_request(kPrompt, 5), 5s);
   ASSERT_TRUE(next.status.ok()) << next.status.error_message();
   EXPECT_EQ(next.tokens, engine_generate(kPrompt, 5));
+}
+
+// Runs a Converse session with the given messages (no reads in between) and returns the
+// final status.
+grpc::Status converse_status(v1::M3Serve::Stub& stub, const std::vector<v1::ConverseRequest>& messages) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + 5s);
+  auto stream = stub.Converse(&ctx);
+  for (const auto& m : messages)
+    if (!stream->Write(m)) break;
+  stream->WritesDone();
+  v1::ConverseResponse response;
+  while (stream->Read(&response)) {
+  }
+  return stream->Finish();
+}
+
+// A Converse call cancelled before it sent anything (so before it had a session) is a
+// cancellation in the metrics and the log; one the client closes having sent nothing is ok.
+TEST(ServerTest, AConverseCancelledBeforeItsFirstMessageCountsAsCancelled) {
+  TestServer server;
+  {
+    grpc::ClientContext ctx;
+    auto stream = server.stub->Converse(&ctx);
+    ASSERT_TRUE(eventually([&] { return server.app->sessions_not_started() == 1; }));
+    ctx.TryCancel();
+    v1::ConverseResponse response;
+    while (stream->Read(&response)) {
+    }
+    EXPECT_EQ(stream->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  }
+  ASSERT_TRUE(wait_for_requests(*server.app, "cancelled", 1));
+  EXPECT_EQ(requests_with_status(*server.app, "ok"), 0);
+  EXPECT_TRUE(eventually([&] {
+    const auto lines = server.sink->lines();
+    return !lines.empty() && lines.back().find("Converse id=conv-1 status=cancelled") == 0;
+  })) << "last log line: " << (server.sink->count() ? server.sink->lines().back() : "");
+
+  EXPECT_TRUE(converse_status(*server.stub, {}).ok());
+  ASSERT_TRUE(wait_for_requests(*server.app, "ok", 1));
+  EXPECT_EQ(requests_with_status(*server.app, "cancelled"), 1);
 }
 
 TEST(ServerTest, DeadlineFreesTheSlot) {
@@ -343,19 +494,28 @@ TEST(ServerTest, MalformedRequestsAreInvalidArgumentAndTheServerKeepsServing) {
   }
 }
 
-// Runs a Converse session with the given messages (no reads in between) and returns the
-// final status.
-grpc::Status converse_status(v1::M3Serve::Stub& stub, const std::vector<v1::ConverseRequest>& messages) {
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + 5s);
-  auto stream = stub.Converse(&ctx);
-  for (const auto& m : messages)
-    if (!stream->Write(m)) break;
-  stream->WritesDone();
-  v1::ConverseResponse response;
-  while (stream->Read(&response)) {
+
+// A refused request_id is not what the log line names: a newline in it would forge a
+// line, a huge one would write a huge line. The server's own id stands in for it.
+TEST(ServerTest, ARefusedRequestIdIsNotLogged) {
+  TestServer server;
+  v1::GenerateRequest forged = generate_request(kPrompt, 3);
+  forged.set_request_id("x status=ok\nGenerate id=forged status=ok tokens_in=6");
+  v1::GenerateRequest huge = generate_request(kPrompt, 3);
+  huge.set_request_id(std::string(1 << 20, 'a'));
+  for (const auto* request : {&forged, &huge}) {
+    const size_t before = server.sink->count();
+    GenerateResult bad = generate(*server.stub, *request, 5s);
+    EXPECT_EQ(bad.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    const auto lines = server.sink->lines();  // logged before the status was sent
+    ASSERT_EQ(lines.size(), before + 1);
+    const std::string& line = lines.back();
+    EXPECT_EQ(line.find("Generate id=gen-"), 0u) << line.substr(0, 200);
+    EXPECT_EQ(line.find('\n'), std::string::npos) << line.substr(0, 200);
+    EXPECT_EQ(line.find("forged"), std::string::npos) << line.substr(0, 200);
+    EXPECT_LT(line.size(), 300u);
+    EXPECT_NE(line.find("status=invalid_argument"), std::string::npos) << line.substr(0, 200);
   }
-  return stream->Finish();
 }
 
 TEST(ServerTest, ConverseProtocolErrorsAreInvalidArgument) {
@@ -485,7 +645,7 @@ TEST(ServerTest, SlowReaderIsCancelledAndOthersGoOn) {
   for (int i = 0; i < 500 && !released; ++i) {
     std::this_thread::sleep_for(10ms);
     const std::string text = server.app->metrics().serialize();
-    released = metric_value(text, "m3serve_tokens_generated_total") > 64 &&
+    released = metric_value(text, "m3serve_time_to_first_token_seconds_count") >= 1 &&
                metric_value(text, "m3serve_active_sequences") == 0;
   }
   ASSERT_TRUE(released);
@@ -506,6 +666,10 @@ TEST(ServerTest, SlowReaderIsCancelledAndOthersGoOn) {
   const std::vector<int32_t> expected = engine_generate(kPrompt, static_cast<int>(got.size()));
   EXPECT_EQ(got, expected) << "what did arrive is the stream's prefix";
   EXPECT_TRUE(wait_for_requests(*server.app, "resource_exhausted", 1));
+  // Tokens "generated and sent to clients": what the clients got, not the slow stream's
+  // unread tokens that were dropped, nor the one that overflowed its buffer.
+  EXPECT_EQ(metric_value(server.app->metrics().serialize(), "m3serve_tokens_generated_total"),
+            static_cast<double>(got.size() + other.tokens.size()));
 }
 
 TEST(ServerTest, ConcurrentStreamsShareEngineSteps) {
@@ -601,6 +765,25 @@ TEST(ServerTest, ShutdownCancelsWhatOutlivesTheGracePeriod) {
   stopper.join();
   GenerateResult after = generate(*server.stub, generate_request(kPrompt, 3), 2s);
   EXPECT_FALSE(after.status.ok());
+}
+
+// A Converse stream that has sent nothing has no session for the scheduler to cancel:
+// shutdown ends it at once, with the status sessions get, without waiting out the grace.
+TEST(ServerTest, ShutdownEndsAConverseStreamThatSentNothingAtOnce) {
+  TestServer server;
+  grpc::ClientContext ctx;
+  auto stream = server.stub->Converse(&ctx);
+  ASSERT_TRUE(eventually([&] { return server.app->sessions_not_started() == 1; }));
+  const auto start = std::chrono::steady_clock::now();
+  server.app->shutdown(3s);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 2s) << "shutdown waited for the stream";
+  v1::ConverseResponse response;
+  EXPECT_FALSE(stream->Read(&response));
+  const grpc::Status status = stream->Finish();
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_EQ(status.error_message(), "the server is shutting down");
+  EXPECT_EQ(requests_with_status(*server.app, "unavailable"), 1);
+  EXPECT_EQ(server.app->sessions_not_started(), 0u);
 }
 
 }  // namespace
