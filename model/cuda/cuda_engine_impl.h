@@ -98,8 +98,10 @@ class CudaEngine final : public Engine {
 
  private:
   // Makes this engine's device the calling thread's current one: a server's scheduler
-  // thread steps an engine another thread built, and the runtime would otherwise use the
-  // thread's own current device (0 unless set).
+  // thread steps an engine another thread built, and the runtime's rule is that a call
+  // acts on the current device (0 unless set). With CUDA 13 the step's stream-ordered
+  // calls went to their stream's device even without this (PERFORMANCE_NOTES.md run 227);
+  // it keeps every call of a step, stream-ordered or not, on the engine's device.
   void use_device() const;
   // Refuses the call once a CUDA error has left the engine unusable (see failure_).
   void check_usable(const char* fn) const;
