@@ -112,6 +112,22 @@ struct ConverseTurn {
   v1::TurnFinished finished;
 };
 
+// The next reply on a Converse stream: its tokens up to its TurnFinished (left empty when
+// the stream ends first).
+template <class Stream>
+ConverseTurn read_reply(Stream& stream) {
+  ConverseTurn reply;
+  v1::ConverseResponse response;
+  while (stream.Read(&response)) {
+    if (!response.has_tokens()) {
+      reply.finished = response.turn_finished();
+      break;
+    }
+    for (int32_t id : response.tokens().ids()) reply.tokens.push_back(id);
+  }
+  return reply;
+}
+
 TEST(ServerTest, ThreeTurnConverseEqualsTheConcatenatedGenerate) {
   TestServer server;
   const std::vector<std::vector<int32_t>> turns = {{5, 6, 7, 8}, {100, 200}, {300, 301, 302}};
@@ -134,16 +150,7 @@ TEST(ServerTest, ThreeTurnConverseEqualsTheConcatenatedGenerate) {
       v1::ConverseRequest end;
       end.mutable_end_turn();
       ASSERT_TRUE(stream->Write(end));
-      ConverseTurn reply;
-      v1::ConverseResponse response;
-      while (stream->Read(&response)) {
-        if (response.has_tokens()) {
-          for (int32_t id : response.tokens().ids()) reply.tokens.push_back(id);
-        } else {
-          reply.finished = response.turn_finished();
-          break;
-        }
-      }
+      const ConverseTurn reply = read_reply(*stream);
       EXPECT_EQ(reply.finished.turn(), replies.size());
       EXPECT_EQ(reply.finished.seed(), 99u);
       EXPECT_EQ(reply.tokens.size(), 12u);
@@ -214,15 +221,9 @@ ConverseTurn one_turn_session(v1::M3Serve::Stub& stub, const v1::ConverseRequest
   EXPECT_TRUE(stream->Write(input));
   EXPECT_TRUE(stream->Write(end));
   stream->WritesDone();
-  ConverseTurn reply;
-  v1::ConverseResponse response;
-  while (stream->Read(&response)) {
-    if (response.has_tokens()) {
-      for (int32_t id : response.tokens().ids()) reply.tokens.push_back(id);
-    } else {
-      reply.finished = response.turn_finished();
-    }
-  }
+  const ConverseTurn reply = read_reply(*stream);
+  v1::ConverseResponse after;
+  EXPECT_FALSE(stream->Read(&after)) << "a message after the session's one turn";
   const grpc::Status status = stream->Finish();
   EXPECT_TRUE(status.ok()) << status.error_message();
   return reply;
