@@ -184,8 +184,7 @@ void ConverseReactor::end_session(StreamStatus status, const std::string& messag
 
 void ConverseReactor::end_without_session() {
   if (!ctx_.unstarted_sessions.take(this)) return;  // a shutdown finishes it
-  record_at_done_ = true;
-  Finish(grpc::Status::OK);
+  complete(StreamStatus::kOk, "");  // OnDone tells a cancellation from a closed side
 }
 
 void ConverseReactor::end_unstarted(StreamStatus status, const std::string& message) {
@@ -225,22 +224,22 @@ void ConverseReactor::OnCancel() {
 }
 
 void ConverseReactor::OnDone() {
-  if (record_at_done_) {
-    // OnCancel and the failed read came in either order; now the call is done, so
-    // IsCancelled() is certain: a call cancelled before its first message is a
-    // cancellation, one the client closed having sent nothing is ok.
-    if (call_->IsCancelled()) {
-      const CallEnd end = call_end_reason(*call_);
-      record(end.status, end.message);
-    } else {
-      record(StreamStatus::kOk, "");
-    }
+  // A client's cancellation ends its side of the stream too, and the failed read can reach
+  // the session before OnCancel does: an idle session (or a stream with none) then ends
+  // "ok". Only now, with the call done, is IsCancelled() certain; such an end is the
+  // cancellation it was.
+  if (final_status_ == StreamStatus::kOk && call_->IsCancelled()) {
+    const CallEnd end = call_end_reason(*call_);
+    record(end.status, end.message);
+  } else {
+    record(final_status_, final_message_);
   }
   delete this;
 }
 
 void ConverseReactor::complete(StreamStatus status, const std::string& message) {
-  record(status, message);
+  final_status_ = status;  // recorded in OnDone
+  final_message_ = message;
   Finish(to_grpc_status(status, message));
 }
 

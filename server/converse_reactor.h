@@ -48,7 +48,7 @@ class ConverseReactor final
   void fail(const std::string& message);  // INVALID_ARGUMENT
   void end_session(StreamStatus status, const std::string& message);
   void end_without_session();  // the client's side ended before it started a session
-  void complete(StreamStatus status, const std::string& message);  // record, then Finish
+  void complete(StreamStatus status, const std::string& message);  // Finish (OnDone records)
   void record(StreamStatus status, const std::string& message);
 
   ServiceContext& ctx_;
@@ -65,9 +65,10 @@ class ConverseReactor final
 
   std::mutex seq_mu_;  // seq_ is set by the reader and read by OnCancel
   std::shared_ptr<Sequence> seq_;
-  // Set before Finish when the stream ended without a session: whether the client closed
-  // its side or the call was cancelled is certain only in OnDone, which records it.
-  bool record_at_done_ = false;
+  // How the stream was finished; OnDone records it (or the client's cancellation that
+  // ended it "ok", see OnDone).
+  StreamStatus final_status_ = StreamStatus::kOk;
+  std::string final_message_;
 
   OutboxWriter<v1::ConverseResponse> writer_;
 };

@@ -362,6 +362,30 @@ TEST(ServerTest, AConverseCancelledBeforeItsFirstMessageCountsAsCancelled) {
   EXPECT_EQ(requests_with_status(*server.app, "cancelled"), 1);
 }
 
+// A client that cancels an idle session (between turns) also ends its side of the
+// stream; whichever of the two reaches the session first, the call counts as cancelled.
+TEST(ServerTest, AnIdleConverseCancelledByItsClientCountsAsCancelled) {
+  TestServer server;
+  constexpr int kSessions = 8;
+  for (int i = 0; i < kSessions; ++i) {
+    grpc::ClientContext ctx;
+    auto stream = server.stub->Converse(&ctx);
+    v1::ConverseRequest config, input, end;
+    config.mutable_config()->set_max_new_tokens(3);
+    for (int32_t id : kPrompt) input.mutable_input()->add_ids(id);
+    end.mutable_end_turn();
+    ASSERT_TRUE(stream->Write(config) && stream->Write(input) && stream->Write(end));
+    EXPECT_EQ(read_reply(*stream).tokens.size(), 3u);
+    ctx.TryCancel();
+    v1::ConverseResponse response;
+    while (stream->Read(&response)) {
+    }
+    EXPECT_EQ(stream->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  }
+  ASSERT_TRUE(wait_for_requests(*server.app, "cancelled", kSessions));
+  EXPECT_EQ(requests_with_status(*server.app, "ok"), 0);
+}
+
 TEST(ServerTest, DeadlineFreesTheSlot) {
   TestServer server(one_slot_config());
   GenerateResult r = generate(*server.stub, generate_request(kPrompt, 100000), 300ms);
