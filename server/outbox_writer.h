@@ -7,7 +7,9 @@
 #pragma once
 
 #include <memory>
+#include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "model/tokenizer.h"
@@ -31,6 +33,14 @@ class OutboxWriter {
   // fill_turn_end(const TurnEnd&, Response*) writes a turn end into the response.
   template <class FillTurnEnd, class Write, class Close>
   void drain(Sequence& seq, FillTurnEnd&& fill_turn_end, Write&& write, Close&& close) {
+    if (held_turn_end_) {  // its text went out in the previous message
+      const TurnEnd end = *std::exchange(held_turn_end_, std::nullopt);
+      if (!write_failed_) {
+        fill_turn_end(end, &response_);
+        write(&response_);
+        return;
+      }
+    }
     for (;;) {
       TokenOutbox::Item item = seq.outbox().take(&tokens_);
       switch (item.kind) {
@@ -45,6 +55,14 @@ class OutboxWriter {
           return;
         case TokenOutbox::Item::kTurnEnd:
           if (write_failed_) continue;
+          // A character the turn's last byte pieces left incomplete ends the turn's text
+          // (as U+FFFD) in a message of its own, rather than being lost or starting the
+          // next turn's text; the turn end follows.
+          if (flush_held_text()) {
+            held_turn_end_ = item.turn_end;
+            write(&response_);
+            return;
+          }
           fill_turn_end(item.turn_end, &response_);
           write(&response_);
           return;
@@ -64,12 +82,26 @@ class OutboxWriter {
   }
 
  private:
+  // Puts the detokenizer's held-back text, if any, into response_ as a Tokens message
+  // with no ids; false when there is none.
+  bool flush_held_text() {
+    if (!detokenizer_) return false;
+    text_.clear();
+    detokenizer_->finish(&text_);
+    if (text_.empty()) return false;
+    auto* tokens = response_.mutable_tokens();
+    tokens->mutable_ids()->Clear();
+    tokens->set_text(text_);
+    return true;
+  }
+
   ServerMetrics* metrics_;  // may be null
   // Touched only by whoever holds the outbox's writer turn.
   Response response_;
   std::vector<int32_t> tokens_;
   std::unique_ptr<StreamDetokenizer> detokenizer_;
   std::string text_;
+  std::optional<TurnEnd> held_turn_end_;  // to write after the held text (see drain)
   bool write_failed_ = false;
 };
 

@@ -3,6 +3,8 @@
 #include <gtest/gtest.h>
 
 #include "model/tokenizer.h"
+#include "server/outbox_writer.h"
+#include "server/sequence.h"
 #include "tests/server/server_test_support.h"
 
 namespace m3::test {
@@ -68,6 +70,48 @@ TEST(ServerTextTest, ConverseTextInputEqualsItsIds) {
     for (int32_t id : response.tokens().ids()) got.push_back(id);
   ASSERT_TRUE(stream->Finish().ok());
   EXPECT_EQ(got, engine_generate(tokenizer->encode(turn), 10));
+}
+
+struct NoFlush : StreamWriter {
+  void flush() override {}
+};
+
+// A reply cut short after the first two byte pieces of a four-byte character: its text
+// ends with U+FFFD in a Tokens message of its own, before the turn's end, and the next
+// turn's text starts clean (the held bytes were lost, or began the next reply's text).
+TEST(ServerTextTest, AReplyEndingInsideACharacterEndsItsTextWithAReplacementCharacter) {
+  auto tokenizer = Tokenizer::load(M3_TEST_SPM_MODEL);
+  std::vector<int32_t> bytes;
+  for (int32_t id : tokenizer->encode("🙂")) {
+    const std::string_view piece = tokenizer->piece_bytes(id);
+    if (piece.size() == 1 && static_cast<unsigned char>(piece[0]) >= 0x80) bytes.push_back(id);
+  }
+  ASSERT_EQ(bytes.size(), 4u) << "expected the emoji as byte pieces";
+  ServiceContext ctx;
+  ctx.tokenizer = tokenizer.get();
+  OutboxWriter<v1::ConverseResponse> writer(ctx);
+  NoFlush no_flush;
+  Sequence seq(SequenceParams{}, 16, &no_flush);
+  seq.outbox().push(bytes[0]);
+  seq.outbox().push(bytes[1]);
+  seq.outbox().end_turn({0, FinishReason::kLength, {}});
+  for (int32_t id : bytes) seq.outbox().push(id);  // the next turn: the whole character
+  seq.outbox().end_turn({1, FinishReason::kLength, {}});
+  seq.outbox().close(StreamStatus::kOk, "");
+
+  std::vector<std::string> messages;  // "ids:text" or "end <turn>"
+  bool closed = false;
+  for (int i = 0; i < 16 && !closed; ++i) {
+    writer.drain(
+        seq, [](const TurnEnd& end, v1::ConverseResponse* r) { r->mutable_turn_finished()->set_turn(end.turn); },
+        [&](v1::ConverseResponse* r) {
+          messages.push_back(r->has_tokens() ? std::to_string(r->tokens().ids_size()) + ":" + r->tokens().text()
+                                             : "end " + std::to_string(r->turn_finished().turn()));
+        },
+        [&](StreamStatus, const std::string&) { closed = true; });
+  }
+  EXPECT_TRUE(closed);
+  EXPECT_EQ(messages, (std::vector<std::string>{"2:", "0:\xEF\xBF\xBD", "end 0", "4:🙂", "end 1"}));
 }
 
 }  // namespace
