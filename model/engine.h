@@ -96,6 +96,10 @@ class Engine {
   // batch-1 and batch-2 step variants it measured fastest); empty when there are none.
   virtual std::string load_report() const { return {}; }
 
+  // Why the engine can run no more steps (a device error it cannot recover from: the CUDA
+  // engine after a failed CUDA call); empty while it can. Read on the thread that steps it.
+  virtual std::string failure() const { return {}; }
+
  protected:
   // The queue of submitted, not yet collected steps, for every implementation of
   // submit_step / collect_step: the position a step submitted now takes (throws when the

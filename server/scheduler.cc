@@ -58,6 +58,7 @@ Scheduler::Admission Scheduler::submit(std::shared_ptr<Sequence> sequence) {
   {
     std::lock_guard lock(mu_);
     if (!accepting_) return {StreamStatus::kUnavailable, "the server is shutting down"};
+    if (!engine_failure_.empty()) return {StreamStatus::kUnavailable, engine_unusable_message()};
     const int capacity = engine_.max_slots() + options_.queue_capacity;
     if (in_flight_ >= capacity) {
       return {StreamStatus::kResourceExhausted,
@@ -82,8 +83,12 @@ void Scheduler::wake() {
 }
 
 void Scheduler::stop_accepting() {
-  std::lock_guard lock(mu_);
-  accepting_ = false;
+  {
+    std::lock_guard lock(mu_);
+    accepting_ = false;
+    wake_ = true;  // idle sessions end at the next token boundary (service_slot)
+  }
+  cv_.notify_one();
 }
 
 bool Scheduler::wait_until_idle(Clock::time_point deadline) {
@@ -122,11 +127,12 @@ void Scheduler::close_unadmitted(const std::shared_ptr<Sequence>& seq, StreamSta
 }
 
 void Scheduler::admit_waiting(Clock::time_point now) {
-  bool cancel_everything = false;
+  bool cancel_everything = false, engine_unusable = false;
   {
     std::lock_guard lock(mu_);
     cancel_everything = cancel_all_;
-    if (cancel_everything) {
+    engine_unusable = !engine_failure_.empty();
+    if (cancel_everything || engine_unusable) {
       while (!waiting_.empty()) {
         rejected_.push_back(std::move(waiting_.front()));
         waiting_.pop_front();
@@ -154,6 +160,8 @@ void Scheduler::admit_waiting(Clock::time_point now) {
   for (auto& seq : rejected_) {
     if (cancel_everything) {
       close_unadmitted(seq, StreamStatus::kUnavailable, "the server is shutting down");
+    } else if (engine_unusable) {
+      close_unadmitted(seq, StreamStatus::kUnavailable, engine_unusable_message());
     } else {
       close_unadmitted(seq, seq->cancel_status(), seq->cancel_message());
     }
@@ -255,6 +263,13 @@ void Scheduler::service_slot(int i, Clock::time_point now) {
     return;
   }
   if (!seq.input_changed()) {
+    // Shutting down, a session between turns has nothing to finish: it ends now rather
+    // than holding the shutdown for its whole grace period (docker stop's SIGKILL came
+    // first with the defaults). One with input or a reply under way gets the grace.
+    if (draining_ && seq.params().session && s.phase == Phase::kIdle) {
+      finish(i, StreamStatus::kUnavailable, "the server is shutting down");
+      return;
+    }
     if (now >= idle_deadline(s)) {
       char limit[32];
       std::snprintf(limit, sizeof limit, "%g",
@@ -483,12 +498,40 @@ void Scheduler::collect(SubmittedStep& step, SubmittedStep* next) {
 
 void Scheduler::fail_step(SubmittedStep& step, const std::exception& e) {
   log_->error("engine step failed for {} sequences: {}", step.size(), e.what());
+  // An engine that can run no more is marked so (refusing requests, reporting NOT_SERVING)
+  // before any stream of the step ends, so that a client seeing its stream end finds the
+  // server already refusing.
+  bool unusable_now = false;
+  if (std::string why = engine_.failure(); !why.empty()) {
+    std::lock_guard lock(mu_);
+    if (engine_failure_.empty()) {
+      engine_failure_ = std::move(why);
+      wake_ = true;  // the waiting requests are refused at the next boundary
+      unusable_now = true;
+    }
+  }
+  if (unusable_now) {
+    log_->error("the engine can run no more steps ({}); new requests are refused with UNAVAILABLE "
+                "and health reports NOT_SERVING: restart the server",
+                engine_failure_);
+    if (options_.on_engine_unusable) options_.on_engine_unusable(engine_failure_);
+  }
   for (const StepEntry& entry : step.entries) {
     const Slot& s = slots_[entry.slot];
     if (s.seq && s.generation == entry.generation)
       finish(entry.slot, StreamStatus::kInternal, std::string("engine error: ") + e.what());
   }
   step.clear();
+  if (unusable_now) {
+    // What else holds a slot would fail at its next step: it ends now, as requests are refused.
+    for (int i = 0; i < static_cast<int>(slots_.size()); ++i)
+      if (slots_[i].seq) finish(i, StreamStatus::kUnavailable, engine_unusable_message());
+  }
+}
+
+std::string Scheduler::engine_unusable_message() const {
+  return "the engine can run no more steps after a device error (" + engine_failure_ +
+         "); the server must be restarted";
 }
 
 void Scheduler::run() {
@@ -497,6 +540,7 @@ void Scheduler::run() {
     {
       std::lock_guard lock(mu_);
       if (stop_) break;
+      draining_ = !accepting_;
     }
     admit_waiting(now);
 

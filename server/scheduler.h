@@ -31,6 +31,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -56,6 +57,10 @@ struct SchedulerOptions {
   Clock::duration session_idle_timeout = Clock::duration::zero();
   // Submit each step before collecting the previous one (above); false: one at a time.
   bool pipelined = true;
+  // Called once, on the engine thread, when a failed step leaves the engine unable to run
+  // more (Engine::failure()); the server then reports NOT_SERVING. From then on requests
+  // are refused with UNAVAILABLE.
+  std::function<void(const std::string& why)> on_engine_unusable;
 };
 
 class Scheduler {
@@ -74,7 +79,8 @@ class Scheduler {
   // Any thread: a sequence got input, was cancelled or closed its input.
   void wake();
 
-  // Shutdown: refuse new requests (UNAVAILABLE), let running ones go on.
+  // Shutdown: refuse new requests (UNAVAILABLE), let running ones go on; sessions between
+  // turns (nothing to finish) end at once with UNAVAILABLE.
   void stop_accepting();
   // Waits until no sequence is left or `deadline`; returns true when none is left.
   bool wait_until_idle(Clock::time_point deadline);
@@ -127,6 +133,9 @@ class Scheduler {
   };
 
   void run();
+  // UNAVAILABLE's message once the engine failed for good (engine_failure_; mu_ held or
+  // on the engine thread, which alone writes it).
+  std::string engine_unusable_message() const;
   // Adds the slot's next token to `step` when it is certain (above), and advances the
   // slot as far as that is known before the sample comes back.
   void schedule(int slot, SubmittedStep& step, Clock::time_point now);
@@ -174,6 +183,8 @@ class Scheduler {
   int in_flight_ = 0;
   bool wake_ = false;
   bool accepting_ = true;
+  std::string engine_failure_;  // Engine::failure() once a step failed for good
+  bool draining_ = false;  // the engine thread's copy of !accepting_, taken each boundary
   bool cancel_all_ = false;
   bool stop_ = false;
   std::thread thread_;

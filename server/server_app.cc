@@ -72,6 +72,7 @@ ServerApp::ServerApp(const ServerConfig& config, std::shared_ptr<spdlog::logger>
   scheduler_options.pipelined = config_.pipelined_steps;
   scheduler_options.session_idle_timeout = std::chrono::duration_cast<Clock::duration>(
       std::chrono::duration<double>(config_.session_idle_timeout_s));
+  scheduler_options.on_engine_unusable = [this](const std::string&) { report_not_serving(); };
   scheduler_ = std::make_unique<Scheduler>(*engine_, scheduler_options, metrics_.get(), logger_);
 
   context_ = std::make_unique<ServiceContext>();
@@ -109,6 +110,9 @@ ServerApp::ServerApp(const ServerConfig& config, std::shared_ptr<spdlog::logger>
   if (!server_ || port_ == 0)
     throw std::runtime_error("cannot listen for gRPC on " + config_.listen +
                              " (address in use, or not an address of this machine?)");
+  // By service name too: probes that name it (grpc_health_probe -service, Kubernetes)
+  // got NOT_FOUND. SetServingStatus(bool) below and in shutdown covers every name set.
+  server_->GetHealthCheckService()->SetServingStatus(v1::M3Serve::service_full_name(), true);
   server_->GetHealthCheckService()->SetServingStatus(true);
   logger_->info("serving m3serve.v1.M3Serve on {} (metrics: {})", address(),
                 config_.metrics_listen.empty()
@@ -119,6 +123,11 @@ ServerApp::ServerApp(const ServerConfig& config, std::shared_ptr<spdlog::logger>
 
 ServerApp::~ServerApp() { shutdown(std::chrono::seconds(0)); }
 
+void ServerApp::report_not_serving() {
+  std::lock_guard lock(health_mu_);
+  if (server_ && !health_final_) server_->GetHealthCheckService()->SetServingStatus(false);
+}
+
 size_t ServerApp::sessions_not_started() const { return context_->unstarted_sessions.size(); }
 
 std::string ServerApp::address() const {
@@ -128,7 +137,11 @@ std::string ServerApp::address() const {
 void ServerApp::shutdown(std::chrono::duration<double> grace) {
   if (stopped_) return;
   stopped_ = true;
-  server_->GetHealthCheckService()->SetServingStatus(false);
+  {
+    std::lock_guard lock(health_mu_);
+    server_->GetHealthCheckService()->SetServingStatus(false);
+    health_final_ = true;
+  }
   scheduler_->stop_accepting();
   // Converse streams that have sent nothing are not the scheduler's: end them now, as
   // sessions are ended (they have nothing to finish, and a first message would be refused).

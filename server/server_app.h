@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cstddef>
 #include <memory>
+#include <mutex>
 #include <string>
 
 #include "server/server_config.h"
@@ -48,6 +49,10 @@ class ServerApp {
   void shutdown(std::chrono::duration<double> grace);
 
  private:
+  // Health NOT_SERVING for every name (the engine can run no more steps); on the engine
+  // thread, so under health_mu_ against shutdown, after which server_ is not touched.
+  void report_not_serving();
+
   ServerConfig config_;
   std::shared_ptr<spdlog::logger> logger_;
   bool demo_model_ = false;
@@ -62,6 +67,8 @@ class ServerApp {
   std::unique_ptr<grpc::Server> server_;
   int port_ = 0;
   bool stopped_ = false;
+  std::mutex health_mu_;
+  bool health_final_ = false;  // shutdown set NOT_SERVING; nothing touches server_ after it
 };
 
 }  // namespace m3

@@ -56,6 +56,7 @@ class CudaEngine final : public Engine {
 
   std::string_view backend() const override { return "cuda"; }
   std::string load_report() const override;
+  std::string failure() const override { return failure_; }
   const ModelConfig& config() const override { return config_; }
   int max_slots() const override { return max_slots_; }
   void reset(int slot) override;

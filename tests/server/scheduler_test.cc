@@ -31,6 +31,10 @@ class ScriptedEngine final : public Engine {
     std::this_thread::sleep_for(1ms);  // so that requests can arrive mid-stream
     bool failing = false;
     for (const int32_t t : tokens) failing |= t == kFailToken;
+    if (failing && for_good_) {
+      std::lock_guard lock(mu_);
+      failed_ = true;
+    }
     if (failing && !fail_at_collect_) throw std::runtime_error("device lost");
     std::vector<std::pair<int32_t, int32_t>> record;
     for (size_t i = 0; i < slots.size(); ++i) {
@@ -55,6 +59,12 @@ class ScriptedEngine final : public Engine {
   // fail_at_collect, when it is collected.
   static constexpr int32_t kFailToken = 666;
   void fail_at_collect() { fail_at_collect_ = true; }
+  // After a failing step the engine can run no more (as the CUDA engine after a CUDA error).
+  void fail_for_good() { for_good_ = true; }
+  std::string failure() const override {
+    std::lock_guard lock(mu_);
+    return failed_ ? "device lost for good" : "";
+  }
   void collect_step(std::span<int32_t> sampled) override {
     Engine::collect_step(sampled);
     std::lock_guard lock(mu_);
@@ -83,6 +93,7 @@ class ScriptedEngine final : public Engine {
   std::vector<std::vector<std::pair<int32_t, int32_t>>> steps_;
   std::vector<int> queued_at_submit_;
   bool fail_at_collect_ = false;
+  bool for_good_ = false, failed_ = false;
   std::deque<bool> fails_when_collected_;  // per queued step
 };
 
@@ -349,6 +360,32 @@ TEST(SchedulerTest, AFailedStepEndsItsSequencesAndTheServerGoesOn) {
     EXPECT_EQ(after->wait_closed(), StreamStatus::kOk);
     EXPECT_EQ(after->got(), (std::vector<int32_t>{8, 9, 10}));
   }
+}
+
+// An engine that can run no more after a failed step (Engine::failure()): the server is
+// told once, what holds a slot ends with UNAVAILABLE at once, and requests are refused so.
+TEST(SchedulerTest, AnEngineThatCanRunNoMoreIsReportedAndRequestsAreRefused) {
+  ScriptedEngine engine(2);
+  engine.fail_for_good();
+  std::mutex mu;
+  std::vector<std::string> reported;
+  SchedulerOptions options;
+  options.on_engine_unusable = [&](const std::string& why) {
+    std::lock_guard lock(mu);
+    reported.push_back(why);
+  };
+  Scheduler scheduler(engine, options, nullptr, nullptr);
+  auto doomed = start(scheduler, {ScriptedEngine::kFailToken, 3}, 5);
+  EXPECT_EQ(doomed->wait_closed(), StreamStatus::kInternal);
+  EXPECT_EQ(doomed->message(), "engine error: device lost");
+  Scheduler::Admission admission;
+  auto after = start(scheduler, {7}, 3, &admission);
+  EXPECT_EQ(admission.status, StreamStatus::kUnavailable);
+  EXPECT_EQ(admission.message,
+            "the engine can run no more steps after a device error (device lost for good); the server "
+            "must be restarted");
+  std::lock_guard lock(mu);
+  EXPECT_EQ(reported, (std::vector<std::string>{"device lost for good"}));
 }
 
 }  // namespace

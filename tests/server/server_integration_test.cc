@@ -715,33 +715,44 @@ TEST(ServerTest, ConcurrentStreamsShareEngineSteps) {
   EXPECT_GE(steps, 1502u);
 }
 
-// grpc.health.v1.Health/Check through a generic stub (its messages are tiny: an empty
-// request, and field 1 = status in the response).
-TEST(ServerTest, HealthServiceSaysServing) {
-  TestServer server;
+// grpc.health.v1.Health/Check through a generic stub (its messages are tiny: field 1 =
+// the service name in the request, field 1 = status in the response). The response's
+// bytes, or the call's status when it fails.
+std::string health_check(TestServer& server, const std::string& service) {
   grpc::GenericStub generic(server.channel);
   grpc::CompletionQueue cq;
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + 5s);
-  grpc::ByteBuffer request, response;
-  grpc::Slice empty("", 0);
-  request = grpc::ByteBuffer(&empty, 1);
+  std::string request_bytes;
+  if (!service.empty()) request_bytes = std::string("\x0a", 1) + static_cast<char>(service.size()) + service;
+  grpc::Slice slice(request_bytes.data(), request_bytes.size());
+  grpc::ByteBuffer request(&slice, 1), response;
   auto call = generic.PrepareUnaryCall(&ctx, "/grpc.health.v1.Health/Check", request, &cq);
   call->StartCall();
   grpc::Status status;
   call->Finish(&response, &status, reinterpret_cast<void*>(1));
   void* tag = nullptr;
   bool ok = false;
-  ASSERT_TRUE(cq.Next(&tag, &ok));
-  ASSERT_TRUE(status.ok()) << status.error_message();
-  std::vector<grpc::Slice> slices;
-  ASSERT_TRUE(response.Dump(&slices).ok());
+  EXPECT_TRUE(cq.Next(&tag, &ok));
   std::string bytes;
-  for (const auto& s : slices) bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
-  EXPECT_EQ(bytes, std::string("\x08\x01", 2)) << "status SERVING";
+  if (status.ok()) {
+    std::vector<grpc::Slice> slices;
+    EXPECT_TRUE(response.Dump(&slices).ok());
+    for (const auto& s : slices) bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
+  } else {
+    bytes = "status " + std::to_string(status.error_code());
+  }
   cq.Shutdown();
   while (cq.Next(&tag, &ok)) {
   }
+  return bytes;
+}
+
+TEST(ServerTest, HealthServiceSaysServing) {
+  TestServer server;
+  EXPECT_EQ(health_check(server, ""), std::string("\x08\x01", 2)) << "status SERVING";
+  // By the service's name too (probes that name it got NOT_FOUND).
+  EXPECT_EQ(health_check(server, "m3serve.v1.M3Serve"), std::string("\x08\x01", 2));
 }
 
 TEST(ServerTest, ModelInfo) {
@@ -790,6 +801,29 @@ TEST(ServerTest, ShutdownCancelsWhatOutlivesTheGracePeriod) {
   stopper.join();
   GenerateResult after = generate(*server.stub, generate_request(kPrompt, 3), 2s);
   EXPECT_FALSE(after.status.ok());
+}
+
+// A session between turns has nothing to finish: shutdown ends it at once with
+// UNAVAILABLE rather than holding on for the grace period (with the image's defaults,
+// docker stop's SIGKILL came first).
+TEST(ServerTest, ShutdownEndsASessionBetweenTurnsAtOnce) {
+  TestServer server;
+  grpc::ClientContext ctx;
+  auto stream = server.stub->Converse(&ctx);
+  v1::ConverseRequest config, input, end;
+  config.mutable_config()->set_max_new_tokens(3);
+  for (int32_t id : kPrompt) input.mutable_input()->add_ids(id);
+  end.mutable_end_turn();
+  ASSERT_TRUE(stream->Write(config) && stream->Write(input) && stream->Write(end));
+  EXPECT_EQ(read_reply(*stream).tokens.size(), 3u);
+  const auto start = std::chrono::steady_clock::now();
+  server.app->shutdown(3s);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 2s) << "shutdown waited for the idle session";
+  v1::ConverseResponse response;
+  EXPECT_FALSE(stream->Read(&response));
+  const grpc::Status status = stream->Finish();
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_EQ(status.error_message(), "the server is shutting down");
 }
 
 // A Converse stream that has sent nothing has no session for the scheduler to cancel:
