@@ -2,9 +2,12 @@
 # m3serve container image (DRAFT: written without a Docker engine at hand, not yet built).
 #
 #   docker build -t m3serve .
-#   docker run --gpus all -p 50051:50051 -p 9464:9464 m3serve                  # demo model
-#   docker run --gpus all -v /models:/models:ro -p 50051:50051 -p 9464:9464 \
+#   docker run --gpus all --stop-timeout 20 -p 50051:50051 -p 9464:9464 m3serve   # demo model
+#   docker run --gpus all --stop-timeout 20 -v /models:/models:ro -p 50051:50051 -p 9464:9464 \
 #       m3serve --model /models/s2s-14l --tokenizer /models/s2s-14l/tokenizer.model
+#
+# --stop-timeout: on `docker stop` m3serve gives running replies shutdown_grace_s (10 s in
+# server.yaml) to finish; Docker's default of 10 s would SIGKILL it first.
 #
 # Base: Debian 12 plus NVIDIA's CUDA 13.0 apt repository for Debian 12, not
 # nvidia/cuda:13.0.x-devel-ubuntu24.04. The server's libraries come from the distribution
@@ -48,7 +51,7 @@ COPY configs/ configs/
 RUN cmake -S . -B /build -G Ninja \
         -DCMAKE_BUILD_TYPE=Release \
         -DCMAKE_CUDA_ARCHITECTURES="${CUDA_ARCHITECTURES}" \
-        -DM3_BUILD_SERVER=ON -DM3_BUILD_TESTS=OFF \
+        -DM3_BUILD_SERVER=ON -DM3_BUILD_TESTS=OFF -DM3_REQUIRE_CUDA=ON \
     && cmake --build /build -j"$(nproc)" --target m3serve m3cli m3bench m3make m3check m3_spm \
     && mkdir -p /out/bin /out/lib \
     && cp /build/server/m3serve /build/server/m3cli /build/server/m3bench \
