@@ -4,13 +4,18 @@
 #   .device/bin/{m3_kernel_tests,m3_cuda_engine_tests,m3check,m3bench}[.gz]
 #   .device/golden/{tiny,small_norm_mlp}/   (copy of ../shared/golden)
 #   .device/lib/{libm3_kernel_trace.so,libcupti.so.13}[.gz]   (trace mode only)
-# Writes logs under $OUT (or ./device-out) and prints a short summary last.
+# Writes logs under $OUT (or ./device-out) and prints a short summary last; exits 1 when
+# any test, check, bench or trace run failed (the summary says which), 0 otherwise.
 # Usage: scripts/device_check.sh [all|tests|check|bench|trace] [extra m3bench args...]
 # trace: m3bench decode at batch 1, 16 and 64 under the CUPTI injection library, one
 # kernel_trace_b<batch>.csv.gz each (scripts/kernel_trace_summary.py reads them).
 set -u -o pipefail
 MODE=${1:-all}
 shift || true
+case $MODE in
+  all | tests | check | bench | trace) ;;
+  *) echo "usage: scripts/device_check.sh [all|tests|check|bench|trace] [extra m3bench args...]" >&2; exit 2 ;;
+esac
 OUT=${OUT:-$PWD/device-out}
 mkdir -p "$OUT"
 BIN=.device/bin
@@ -21,20 +26,23 @@ for z in "$BIN"/*.gz .device/lib/*.gz; do
 done
 chmod +x "$BIN"/* 2>/dev/null
 summary=()
+failures=0
+# Records a failed step: the summary line of each step says which.
+fail() { failures=$((failures + 1)); }
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
 
 if [[ $MODE == all || $MODE == tests ]]; then
   for t in m3_kernel_tests m3_cuda_engine_tests; do
-    if "$BIN/$t" --gtest_brief=1 >"$OUT/$t.log" 2>&1; then r=PASS; else r=FAIL; fi
+    if "$BIN/$t" --gtest_brief=1 >"$OUT/$t.log" 2>&1; then r=PASS; else r=FAIL; fail; fi
     summary+=("$t: $r ($(grep -E '^\[  (PASSED|FAILED|SKIPPED) ' "$OUT/$t.log" | tr '\n' ' '))")
     [[ $r == FAIL ]] && grep -E "Failure|error|FAILED|Expected|Which is|actual" "$OUT/$t.log" | head -40
   done
   # The batch-1 gemv's one-row-per-warp variant (the default is two).
   if M3_GEMV_SMALL_RPW=1 "$BIN/m3_kernel_tests" --gtest_brief=1 --gtest_filter='GemvKernel.*' \
-      >"$OUT/m3_kernel_tests_rpw1.log" 2>&1; then r=PASS; else r=FAIL; fi
+      >"$OUT/m3_kernel_tests_rpw1.log" 2>&1; then r=PASS; else r=FAIL; fail; fi
   summary+=("m3_kernel_tests gemv, one row per warp at batch 1: $r")
   # The weights' loads really precede the PDL wait in the built kernels (SASS).
-  if scripts/check_pdl_sass.sh "$BIN/m3bench" >"$OUT/pdl_sass.log" 2>&1; then r=PASS; else r=FAIL; fi
+  if scripts/check_pdl_sass.sh "$BIN/m3bench" >"$OUT/pdl_sass.log" 2>&1; then r=PASS; else r=FAIL; fail; fi
   summary+=("pdl wait placement (SASS): $r ($(tail -1 "$OUT/pdl_sass.log"))")
   # The tensor-core recurrence under its other forms, one switch per run: plain state
   # loads everywhere (the kernel tests' plans are single-chain: streamed state loads up to
@@ -45,6 +53,7 @@ if [[ $MODE == all || $MODE == tests ]]; then
       r=PASS
     else
       r=FAIL
+      fail
     fi
     summary+=("m3_kernel_tests tensor-core, $sw: $r")
     [[ $r == FAIL ]] && grep -E "Failure|Expected|Which is|actual" "$log" | head -20
@@ -57,6 +66,7 @@ if [[ $MODE == all || $MODE == check ]]; then
       "$BIN/m3check" "$GOLDEN/$c" "$GOLDEN/$c/trajectory.safetensors" --backend cuda --dtype $d \
           >"$OUT/m3check_${c}_$d.log" 2>&1
       rc=$?
+      [[ $rc -eq 0 ]] || fail
       summary+=("m3check cuda $c $d: exit $rc: $(tail -2 "$OUT/m3check_${c}_$d.log" | tr '\n' ' ')")
     done
     # Each sequence alone: the batch-1 plan (out_proj fused into the recurrence).
@@ -64,6 +74,7 @@ if [[ $MODE == all || $MODE == check ]]; then
       "$BIN/m3check" "$GOLDEN/$c" "$GOLDEN/$c/trajectory.safetensors" --backend cuda --dtype $d --one-at-a-time \
           >"$OUT/m3check_${c}_${d}_alone.log" 2>&1
       rc=$?
+      [[ $rc -eq 0 ]] || fail
       summary+=("m3check cuda $c $d, one at a time: exit $rc: $(tail -2 "$OUT/m3check_${c}_${d}_alone.log" | tr '\n' ' ')")
     done
     # bf16 engines run the recurrence on tensor cores; check the CUDA-core kernel with
@@ -71,6 +82,7 @@ if [[ $MODE == all || $MODE == check ]]; then
     M3_MIMO_TC_MIN_BATCH=0 "$BIN/m3check" "$GOLDEN/$c" "$GOLDEN/$c/trajectory.safetensors" --backend cuda \
         --dtype bf16 >"$OUT/m3check_${c}_bf16_cudacore.log" 2>&1
     rc=$?
+    [[ $rc -eq 0 ]] || fail
     summary+=("m3check cuda $c bf16 (CUDA-core recurrence): exit $rc: $(tail -2 "$OUT/m3check_${c}_bf16_cudacore.log" | tr '\n' ' ')")
   done
 fi
@@ -78,10 +90,18 @@ fi
 if [[ $MODE == all || $MODE == bench ]]; then
   "$BIN/m3bench" decode --config configs/models/s2s-14l.json --batch 1,2,4,8,16,32,64 \
       --json "$OUT/bench_bf16.json" --per-kernel "$@" 2>&1 | tee "$OUT/bench_bf16.txt"
+  rc=$?
+  [[ $rc -eq 0 ]] || fail
+  summary+=("m3bench decode bf16: exit $rc")
   # A/B switches, one at a time, in the same run.
   for sw in ${M3_AB_SWITCHES:-M3_CUDA_CHAINS=1 M3_CUDA_CHAINS=2 M3_PDL_FIRST=0 M3_PDL_EARLY=0 M3_PDL_REC_POINT=1 M3_CUDA_FUSED_OUT_PROJ=0 M3_CUDA_FUSED_OUT_PROJ=1 M3_CUDA_FUSED_EMBEDDING=0 M3_MIMO_TC_FUSED_CLUSTER=4 M3_GEMV_SMALL_RPW=1 M3_MIMO_TC_MIN_BATCH=0 M3_GEMV_MMA_ROWS_MIN_BATCH=4 M3_MIMO_TC_SPLIT=1 M3_CUDA_PDL=0 M3_CUDA_L2_PREFETCH=1 M3_CUDA_NEXT_STEP_PREFETCH=0 M3_STATE_LOAD=plain M3_GEMV_TENSOR_CORES=0}; do
     env $sw "$BIN/m3bench" decode --config configs/models/s2s-14l.json --batch 1,2,4,16,64 \
         --iters 100 2>&1 | tee "$OUT/bench_bf16_${sw/=/_}.txt" | sed "s/^/[$sw] /"
+    rc=$?
+    if [[ $rc -ne 0 ]]; then
+      fail
+      summary+=("m3bench decode bf16, $sw: exit $rc")
+    fi
   done
 fi
 
@@ -90,9 +110,19 @@ if [[ $MODE == trace ]]; then
     M3_TRACE_OUT="$OUT/kernel_trace_b$b.csv" CUDA_INJECTION64_PATH="$PWD/.device/lib/libm3_kernel_trace.so" \
         LD_LIBRARY_PATH="$PWD/.device/lib:/usr/local/cuda/extras/CUPTI/lib64:${LD_LIBRARY_PATH:-}" \
         "$BIN/m3bench" decode --config configs/models/s2s-14l.json --batch $b --iters 10 "$@" >"$OUT/trace_bench_b$b.txt" 2>&1
+    rc=$?
+    if [[ $rc -ne 0 || ! -s $OUT/kernel_trace_b$b.csv ]]; then
+      fail
+      summary+=("trace batch $b: FAIL (m3bench exit $rc; see trace_bench_b$b.txt)")
+      continue
+    fi
     summary+=("trace batch $b: $(($(wc -l <"$OUT/kernel_trace_b$b.csv") - 1)) kernel records")
     gzip -f "$OUT/kernel_trace_b$b.csv"
   done
 fi
 
 printf '%s\n' "==== summary" "${summary[@]}"
+if [[ $failures -gt 0 ]]; then
+  echo "==== $failures failed"
+  exit 1
+fi

@@ -44,6 +44,7 @@ struct Options {
   std::string model_dir, trajectory, backend = "cpu";
   m3::WeightDType dtype = m3::WeightDType::F32;
   bool one_at_a_time = false;
+  bool help = false;  // print the usage to stdout and exit 0
 };
 
 const char* kUsage =
@@ -74,7 +75,8 @@ Options parse_args(int argc, char** argv) {
     } else if (arg == "--one-at-a-time") {
       o.one_at_a_time = true;
     } else if (arg == "-h" || arg == "--help") {
-      throw UsageError("");
+      o.help = true;
+      return o;
     } else if (arg.size() > 1 && arg[0] == '-') {
       throw UsageError("unknown option " + arg);
     } else {
@@ -240,9 +242,13 @@ int main(int argc, char** argv) {
   try {
     opt = parse_args(argc, argv);
   } catch (const UsageError& e) {
-    if (e.what()[0] != '\0') std::fprintf(stderr, "m3check: %s\n", e.what());
+    std::fprintf(stderr, "m3check: %s\n", e.what());
     std::fputs(kUsage, stderr);
     return kExitUsage;
+  }
+  if (opt.help) {
+    std::fputs(kUsage, stdout);
+    return 0;
   }
 
   std::unique_ptr<m3::Engine> engine;

@@ -1,14 +1,17 @@
 #include "server/tools/bench_decode.h"
 
 #include <algorithm>
+#include <charconv>
 #include <chrono>
+#include <cstdint>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
-#include <sstream>
 #include <stdexcept>
 #include <string>
+#include <string_view>
+#include <type_traits>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -30,7 +33,11 @@ namespace {
 constexpr const char* kUsage =
     "usage: m3bench decode --config FILE [--batch 1,4,16,64] [--dtype bf16|fp32]\n"
     "                      [--iters 300] [--json OUT] [--seed 1] [--per-kernel]\n"
+    "  --batch: batch sizes in [1, 4096], comma-separated; --iters: 10 to 1000000\n"
     "  --per-kernel: also time every kernel of the step alone (sum by kernel name)\n";
+
+constexpr int kMaxBatch = 4096;
+constexpr int kMaxIters = 1'000'000;
 
 struct Options {
   std::string config;
@@ -42,17 +49,34 @@ struct Options {
   bool per_kernel = false;
 };
 
+// The whole of `text` as an integer of [min, max]; otherwise an error naming the flag.
+template <typename Int>
+Int parse_integer(const std::string& flag, const std::string& text, Int min, Int max) {
+  Int value = 0;
+  const auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), value);
+  if (error == std::errc() && end == text.data() + text.size() && value >= min && value <= max) {
+    return value;
+  }
+  if (error == std::errc::invalid_argument || (error == std::errc() && end != text.data() + text.size())) {
+    throw std::invalid_argument(flag + ": \"" + text + "\" is not " +
+                                (std::is_unsigned_v<Int> ? "a non-negative integer" : "an integer"));
+  }
+  throw std::invalid_argument(flag + ": " + text + " is outside [" + std::to_string(min) + ", " +
+                              std::to_string(max) + "]");
+}
+
+// "1,4,16": every entry a batch size, none empty.
 std::vector<int> parse_batches(const std::string& text) {
   std::vector<int> out;
-  std::stringstream ss(text);
-  std::string item;
-  while (std::getline(ss, item, ',')) {
-    size_t used = 0;
-    const int b = std::stoi(item, &used);
-    if (used != item.size() || b < 1) throw std::invalid_argument("--batch: bad entry \"" + item + "\"");
-    out.push_back(b);
+  size_t begin = 0;
+  while (true) {
+    const size_t comma = text.find(',', begin);
+    const std::string item = text.substr(begin, comma == std::string::npos ? std::string::npos : comma - begin);
+    if (item.empty()) throw std::invalid_argument("--batch: empty entry in \"" + text + "\"");
+    out.push_back(parse_integer<int>("--batch", item, 1, kMaxBatch));
+    if (comma == std::string::npos) break;
+    begin = comma + 1;
   }
-  if (out.empty()) throw std::invalid_argument("--batch: empty list");
   return out;
 }
 
@@ -67,15 +91,14 @@ Options parse(int argc, char** argv) {
     if (a == "--config") o.config = value();
     else if (a == "--batch") o.batches = parse_batches(value());
     else if (a == "--dtype") o.dtype = value();
-    else if (a == "--iters") o.iters = std::stoi(value());
+    else if (a == "--iters") o.iters = parse_integer<int>("--iters", value(), 10, kMaxIters);
     else if (a == "--json") o.json = value();
-    else if (a == "--seed") o.seed = std::stoull(value());
+    else if (a == "--seed") o.seed = parse_integer<uint64_t>("--seed", value(), 0, UINT64_MAX);
     else if (a == "--per-kernel") o.per_kernel = true;
     else throw std::invalid_argument("unknown argument " + a);
   }
   if (o.config.empty()) throw std::invalid_argument("--config is required");
   if (o.dtype != "bf16" && o.dtype != "fp32") throw std::invalid_argument("--dtype must be bf16 or fp32");
-  if (o.iters < 10) throw std::invalid_argument("--iters must be at least 10");
   return o;
 }
 
@@ -252,7 +275,13 @@ int run(const Options& o) {
       }
       for (const auto& [name, us] : r.per_kernel) j["results"].back()["kernels_alone_us"][name] = us;
     }
-    std::ofstream(o.json) << j.dump(2) << "\n";
+    std::ofstream file(o.json);
+    file << j.dump(2) << "\n";
+    file.close();
+    if (!file) {
+      std::fprintf(stderr, "m3bench decode: cannot write %s\n", o.json.c_str());
+      return 1;
+    }
   }
   return 0;
 }
@@ -261,6 +290,12 @@ int run(const Options& o) {
 }  // namespace
 
 int run_bench_decode(int argc, char** argv) {
+  for (int i = 1; i < argc; ++i) {
+    if (std::string_view(argv[i]) == "--help" || std::string_view(argv[i]) == "-h") {
+      std::cout << kUsage;
+      return 0;
+    }
+  }
   Options o;
   try {
     o = parse(argc, argv);

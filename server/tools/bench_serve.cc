@@ -34,6 +34,7 @@ constexpr const char* kUsage = R"(usage: m3bench serve [options]
   --temperature T         default 0 (greedy); with T > 0 request i uses seed i
   --timeout S             deadline per request in seconds (default 300)
   --connect-timeout S     seconds to wait for the server (default 5)
+                          (seconds: more than 0, at most 1000000)
   --json out.json         also write the results as JSON
 )";
 
@@ -44,8 +45,8 @@ struct BenchOptions {
   int prompt_len = 16;
   int max_new_tokens = 64;
   double temperature = 0;
-  double timeout_s = 300;
-  double connect_timeout_s = 5;
+  std::chrono::milliseconds timeout{300'000};
+  std::chrono::milliseconds connect_timeout{5'000};
   std::string json_path;
 };
 
@@ -107,8 +108,7 @@ RequestResult run_one(m3serve::v1::M3Serve::Stub& stub, const BenchOptions& opti
   RequestResult result;
   result.token_gaps_ms.reserve(options.max_new_tokens);
   grpc::ClientContext context;
-  context.set_deadline(std::chrono::system_clock::now() +
-                       std::chrono::milliseconds(static_cast<int64_t>(options.timeout_s * 1000)));
+  context.set_deadline(std::chrono::system_clock::now() + options.timeout);
   const auto start = Clock::now();
   auto last = start;
   auto reader = stub.Generate(&context, request);
@@ -151,11 +151,10 @@ BenchOptions parse_options(const std::vector<std::string>& args) {
   o.prompt_len = static_cast<int>(flags.get_int("prompt-len", 16, 1, 1'000'000));
   o.max_new_tokens = static_cast<int>(flags.get_int("max-new-tokens", 64, 1, 1'000'000));
   o.temperature = flags.get_double("temperature", 0.0);
-  o.timeout_s = flags.get_double("timeout", 300.0);
-  o.connect_timeout_s = flags.get_double("connect-timeout", 5.0);
+  o.timeout = flags.get_seconds("timeout").value_or(o.timeout);
+  o.connect_timeout = flags.get_seconds("connect-timeout").value_or(o.connect_timeout);
   o.json_path = flags.get("json", "");
   if (o.temperature < 0) throw UsageError("--temperature must not be negative");
-  if (o.timeout_s <= 0) throw UsageError("--timeout must be positive");
   return o;
 }
 
@@ -164,9 +163,7 @@ nlohmann::json summary_json(const Summary& s) {
 }
 
 int run(const BenchOptions& options) {
-  auto channel = client::connect(
-      options.server,
-      std::chrono::milliseconds(static_cast<int64_t>(options.connect_timeout_s * 1000)));
+  auto channel = client::connect(options.server, options.connect_timeout);
   auto stub = m3serve::v1::M3Serve::NewStub(channel);
 
   m3serve::v1::ModelInfo info;

@@ -82,16 +82,50 @@ double Flags::get_double(std::string_view name, double fallback) const {
   return value;
 }
 
+uint64_t Flags::get_uint64(std::string_view name, uint64_t fallback) const {
+  const auto text = find(name);
+  if (!text) return fallback;
+  uint64_t value = 0;
+  const auto [end, error] = std::from_chars(text->data(), text->data() + text->size(), value);
+  if (error == std::errc::result_out_of_range) {
+    throw UsageError("--" + std::string(name) + ": " + *text + " is outside [0, " +
+                     std::to_string(UINT64_MAX) + "]");
+  }
+  if (error != std::errc() || end != text->data() + text->size()) {
+    throw UsageError("--" + std::string(name) + ": '" + *text + "' is not a non-negative integer");
+  }
+  return value;
+}
+
+std::optional<std::chrono::milliseconds> Flags::get_seconds(std::string_view name) const {
+  const auto text = find(name);
+  if (!text) return std::nullopt;
+  const double seconds = get_double(name, 0.0);
+  if (!(seconds > 0 && seconds <= kMaxSeconds)) {
+    throw UsageError("--" + std::string(name) + ": " + *text + " is outside (0, " +
+                     std::to_string(static_cast<int64_t>(kMaxSeconds)) + "] seconds");
+  }
+  // Whole microseconds first, so 1.1 s is 1100 ms and not 1101; then up to a millisecond.
+  const int64_t us = std::llround(seconds * 1e6);
+  return std::chrono::milliseconds(std::max<int64_t>(1, (us + 999) / 1000));
+}
+
 std::vector<int32_t> parse_id_list(std::string_view text) {
+  const auto blank = [](char c) { return c == ' ' || c == '\t'; };
+  const auto empty_item = [&] {
+    return UsageError("empty item in the token id list '" + std::string(text) + "'");
+  };
   std::vector<int32_t> ids;
   size_t i = 0;
+  const auto skip_blanks = [&] {
+    while (i < text.size() && blank(text[i])) ++i;
+  };
+  skip_blanks();
+  // Items are separated by blanks, or by one comma with blanks around it.
   while (i < text.size()) {
-    if (text[i] == ',' || text[i] == ' ' || text[i] == '\t') {
-      ++i;
-      continue;
-    }
+    if (text[i] == ',') throw empty_item();  // ",1" or "1,,3"
     size_t end = i;
-    while (end < text.size() && text[end] != ',' && text[end] != ' ' && text[end] != '\t') ++end;
+    while (end < text.size() && text[end] != ',' && !blank(text[end])) ++end;
     const std::string_view item = text.substr(i, end - i);
     int32_t id = 0;
     const auto [stop, error] = std::from_chars(item.data(), item.data() + item.size(), id);
@@ -100,6 +134,12 @@ std::vector<int32_t> parse_id_list(std::string_view text) {
     }
     ids.push_back(id);
     i = end;
+    skip_blanks();
+    if (i < text.size() && text[i] == ',') {
+      ++i;
+      skip_blanks();
+      if (i == text.size()) throw empty_item();  // "1,"
+    }
   }
   if (ids.empty()) throw UsageError("no token ids in '" + std::string(text) + "'");
   return ids;

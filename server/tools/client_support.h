@@ -33,7 +33,13 @@ class Flags {
   bool has(std::string_view name) const;
   std::string get(std::string_view name, const std::string& fallback) const;
   int64_t get_int(std::string_view name, int64_t fallback, int64_t min, int64_t max) const;
+  // Any value of [0, 2^64 - 1] (a seed); a sign or anything else is refused.
+  uint64_t get_uint64(std::string_view name, uint64_t fallback) const;
   double get_double(std::string_view name, double fallback) const;
+  // A duration in seconds, within (0, kMaxSeconds], rounded up to whole milliseconds (so
+  // never 0); nullopt when the flag is absent.
+  std::optional<std::chrono::milliseconds> get_seconds(std::string_view name) const;
+  static constexpr double kMaxSeconds = 1e6;
   std::optional<std::string> find(std::string_view name) const;
 
  private:
@@ -41,7 +47,8 @@ class Flags {
   std::vector<std::string> positional_;
 };
 
-// "1,2,3" or "1 2 3" (commas and/or spaces). Throws UsageError naming the bad item.
+// "1,2,3" or "1 2 3" (commas and/or spaces). Throws UsageError naming the bad item; an
+// empty item ("1,,3", "1,", ",1") is refused, not skipped.
 std::vector<int32_t> parse_id_list(std::string_view text);
 // True when `text` holds only digits, commas, spaces and minus signs, and a digit.
 bool looks_like_id_list(std::string_view text);

@@ -15,9 +15,13 @@ constexpr const char* kUsage =
 }
 
 int main(int argc, char** argv) {
-  if (argc < 2 || std::strcmp(argv[1], "--help") == 0 || std::strcmp(argv[1], "-h") == 0) {
+  if (argc < 2) {
     std::cerr << kUsage;
-    return argc < 2 ? 2 : 0;
+    return 2;
+  }
+  if (std::strcmp(argv[1], "--help") == 0 || std::strcmp(argv[1], "-h") == 0) {
+    std::cout << kUsage;
+    return 0;
   }
   if (std::strcmp(argv[1], "decode") == 0) return m3::run_bench_decode(argc - 1, argv + 1);
   if (std::strcmp(argv[1], "serve") == 0) {

@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <future>
 #include <iostream>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -35,7 +36,8 @@ commands:
 common options:
   --server host:port        default 127.0.0.1:50051
   --connect-timeout S       seconds to wait for a connection (default 5)
-  --timeout S               deadline of the call in seconds (default: none; health: 5)
+  --timeout S               deadline of the call in seconds (default: none; info: 10; health: 5)
+  seconds: more than 0, at most 1000000, rounded up to whole milliseconds
 )";
 
 const std::vector<std::string_view> kCommonOptions = {"server", "connect-timeout", "timeout"};
@@ -53,27 +55,34 @@ double ms_since(Clock::time_point start) {
   return std::chrono::duration<double, std::milli>(Clock::now() - start).count();
 }
 
-std::chrono::milliseconds seconds_flag(const Flags& flags, std::string_view name, double fallback) {
-  const double seconds = flags.get_double(name, fallback);
-  if (seconds < 0) throw UsageError("--" + std::string(name) + " must not be negative");
-  return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
+// How long to wait for the connection, and the call's deadline (none: no deadline); read,
+// and so checked, before connecting, as every other flag is.
+struct CallSettings {
+  std::string server;
+  std::chrono::milliseconds connect_wait;
+  std::optional<std::chrono::milliseconds> timeout;
+};
+
+CallSettings call_settings(const Flags& flags,
+                           std::optional<std::chrono::milliseconds> default_timeout) {
+  return {flags.get("server", "127.0.0.1:50051"),
+          flags.get_seconds("connect-timeout").value_or(std::chrono::seconds(5)),
+          flags.has("timeout") ? flags.get_seconds("timeout") : default_timeout};
 }
 
-void set_deadline(grpc::ClientContext* context, const Flags& flags, double fallback_s) {
-  const auto timeout = seconds_flag(flags, "timeout", fallback_s);
-  if (timeout.count() > 0) context->set_deadline(std::chrono::system_clock::now() + timeout);
+void set_deadline(grpc::ClientContext* context, const CallSettings& call) {
+  if (call.timeout) context->set_deadline(std::chrono::system_clock::now() + *call.timeout);
 }
 
-std::shared_ptr<grpc::Channel> connect(const Flags& flags) {
-  return m3::client::connect(flags.get("server", "127.0.0.1:50051"),
-                             seconds_flag(flags, "connect-timeout", 5.0));
+std::shared_ptr<grpc::Channel> connect(const CallSettings& call) {
+  return m3::client::connect(call.server, call.connect_wait);
 }
 
 void fill_sampling(const Flags& flags, m3serve::v1::SamplingParams* sampling) {
   sampling->set_temperature(static_cast<float>(flags.get_double("temperature", 0.0)));
   sampling->set_top_k(static_cast<int32_t>(flags.get_int("top-k", 0, 0, INT32_MAX)));
   if (flags.has("top-p")) sampling->set_top_p(static_cast<float>(flags.get_double("top-p", 1.0)));
-  if (flags.has("seed")) sampling->set_seed(static_cast<uint64_t>(flags.get_int("seed", 0, 0, INT64_MAX)));
+  if (flags.has("seed")) sampling->set_seed(flags.get_uint64("seed", 0));
 }
 
 template <typename Repeated>
@@ -167,14 +176,15 @@ int run_generate(const Flags& flags) {
   request.set_request_id(flags.get("request-id", ""));
   fill_sampling(flags, request.mutable_sampling());
   add_stop_ids(flags, request.mutable_stop_token_ids());
+  TokenPrinter printer(print_mode(flags), request.has_prompt_text());
+  const CallSettings call = call_settings(flags, std::nullopt);
 
-  auto stub = m3serve::v1::M3Serve::NewStub(connect(flags));
+  auto stub = m3serve::v1::M3Serve::NewStub(connect(call));
   grpc::ClientContext context;
-  set_deadline(&context, flags, 0);
+  set_deadline(&context, call);
   const auto start = Clock::now();
   auto reader = stub->Generate(&context, request);
 
-  TokenPrinter printer(print_mode(flags), request.has_prompt_text());
   double first_token_ms = -1;
   m3serve::v1::GenerateResponse response;
   std::optional<m3serve::v1::Finished> finished;
@@ -208,12 +218,13 @@ int run_converse(const Flags& flags) {
   session->set_max_new_tokens(static_cast<uint32_t>(flags.get_int("max-new-tokens", 64, 1, UINT32_MAX)));
   fill_sampling(flags, session->mutable_sampling());
   add_stop_ids(flags, session->mutable_stop_token_ids());
-
-  auto stub = m3serve::v1::M3Serve::NewStub(connect(flags));
-  grpc::ClientContext context;
-  set_deadline(&context, flags, 0);
-  auto stream = stub->Converse(&context);
   const PrintMode mode = print_mode(flags);
+  const CallSettings call = call_settings(flags, std::nullopt);
+
+  auto stub = m3serve::v1::M3Serve::NewStub(connect(call));
+  grpc::ClientContext context;
+  set_deadline(&context, call);
+  auto stream = stub->Converse(&context);
   const bool interactive = isatty(STDIN_FILENO);
 
   bool open = stream->Write(config);
@@ -273,9 +284,10 @@ int run_converse(const Flags& flags) {
 }
 
 int run_info(const Flags& flags) {
-  auto stub = m3serve::v1::M3Serve::NewStub(connect(flags));
+  const CallSettings call = call_settings(flags, std::chrono::seconds(10));
+  auto stub = m3serve::v1::M3Serve::NewStub(connect(call));
   grpc::ClientContext context;
-  set_deadline(&context, flags, 10);
+  set_deadline(&context, call);
   m3serve::v1::ModelInfo info;
   const grpc::Status status = stub->GetModelInfo(&context, m3serve::v1::GetModelInfoRequest(), &info);
   if (!status.ok()) return fail_rpc("GetModelInfo", status);
@@ -312,10 +324,11 @@ int decode_health_status(const std::string& bytes) {
 
 int run_health(const Flags& flags) {
   const std::string service = flags.get("service", "");
-  auto channel = connect(flags);
+  const CallSettings call = call_settings(flags, std::chrono::seconds(5));
+  auto channel = connect(call);
   grpc::GenericStub stub(channel);
   grpc::ClientContext context;
-  set_deadline(&context, flags, 5);
+  set_deadline(&context, call);
 
   const std::string request_bytes = encode_health_request(service);
   grpc::Slice slice(request_bytes);

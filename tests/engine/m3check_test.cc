@@ -236,6 +236,15 @@ TEST(M3checkUsage, BadCommandLinesExitTwo) {
             std::string::npos);
 }
 
+TEST(M3checkUsage, HelpPrintsTheUsageToStdoutAndExitsZero) {
+  for (const std::string& args : {std::string("--help"), std::string("-h"), std::string("a b --help")}) {
+    const ToolRun r = run_m3check(args);
+    EXPECT_EQ(r.exit_code, 0) << args;
+    EXPECT_EQ(r.out.rfind("usage: m3check MODEL_DIR TRAJECTORY", 0), 0u) << args << ": " << r.out;
+    EXPECT_EQ(r.err, "") << args;
+  }
+}
+
 TEST(M3checkUsage, MissingModelDirExitsThree) {
   const ToolRun r = run_m3check("/nonexistent/model /nonexistent/t.safetensors");
   EXPECT_EQ(r.exit_code, 3);

@@ -16,6 +16,7 @@
 #include <memory>
 #include <numeric>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "m3serve.grpc.pb.h"
@@ -281,6 +282,100 @@ TEST(M3cli, UsageMistakesExitTwoWithTheReason) {
   EXPECT_TRUE(contains(run.err, "--server needs a value")) << run.err;
 }
 
+TEST(M3cli, ReplaysAnySeedTheServerCanReport) {
+  // Seeds are uint64: the server draws seeds above INT64_MAX as often as below.
+  ScriptedServer server;
+  CliRun run = m3cli("--server " + server.address() +
+                     " generate --ids 1 --max-new-tokens 1 --seed 18446744073709551615");
+  EXPECT_EQ(run.exit_code, 0) << run.err;
+  EXPECT_TRUE(contains(run.err, "seed 18446744073709551615\n")) << run.err;
+  run = m3cli("--server " + server.address() +
+              " generate --ids 1 --max-new-tokens 1 --seed 9223372036854775808");
+  EXPECT_EQ(run.exit_code, 0) << run.err;
+  EXPECT_TRUE(contains(run.err, "seed 9223372036854775808\n")) << run.err;
+
+  const std::vector<std::pair<std::string, std::string>> bad = {
+      {"-1", "--seed: '-1' is not a non-negative integer"},
+      {"+5", "--seed: '+5' is not a non-negative integer"},
+      {"5x", "--seed: '5x' is not a non-negative integer"},
+      {"''", "--seed: '' is not a non-negative integer"},
+      {"18446744073709551616", "--seed: 18446744073709551616 is outside [0, 18446744073709551615]"},
+  };
+  for (const auto& [value, message] : bad) {
+    run = m3cli("--server 127.0.0.1:1 --connect-timeout 0.2 generate --ids 1 --seed " + value);
+    EXPECT_EQ(run.exit_code, 2) << value;
+    EXPECT_TRUE(contains(run.err, message)) << run.err;
+  }
+}
+
+TEST(M3cli, TokenIdListsRefuseEmptyItems) {
+  // Port 1: nothing listens there; an accepted list would show as "cannot reach" (exit 1).
+  const std::string unreachable = "--server 127.0.0.1:1 --connect-timeout 0.2 ";
+  for (const std::string& ids : {"1,,3", "1,3,", ",1", "'1, ,3'", "'1 , , 3'"}) {
+    const CliRun run = m3cli(unreachable + "generate --ids " + ids);
+    EXPECT_EQ(run.exit_code, 2) << ids;
+    EXPECT_TRUE(contains(run.err, "empty item in the token id list")) << ids << ": " << run.err;
+  }
+  const CliRun run = m3cli(unreachable + "generate --ids 1 --stop 7,,8");
+  EXPECT_EQ(run.exit_code, 2);
+  EXPECT_TRUE(contains(run.err, "empty item in the token id list '7,,8'")) << run.err;
+}
+
+TEST(ParseIdList, SeparatorsAndEmptyItems) {
+  EXPECT_EQ(client::parse_id_list("1,2,3"), (std::vector<int32_t>{1, 2, 3}));
+  EXPECT_EQ(client::parse_id_list(" 1, 2 ,3\t4 "), (std::vector<int32_t>{1, 2, 3, 4}));
+  EXPECT_EQ(client::parse_id_list("7"), (std::vector<int32_t>{7}));
+  for (const char* text : {"1,,3", "1,3,", ",1", "1, ,3", ",", "1 ,"}) {
+    try {
+      client::parse_id_list(text);
+      ADD_FAILURE() << "'" << text << "' was accepted";
+    } catch (const client::UsageError& e) {
+      EXPECT_EQ(std::string(e.what()), "empty item in the token id list '" + std::string(text) + "'");
+    }
+  }
+  EXPECT_THROW(client::parse_id_list("  "), client::UsageError);  // no ids at all
+}
+
+TEST(M3cli, SecondsFlagsAreBounded) {
+  const std::vector<std::pair<std::string, std::string>> bad = {
+      {"--connect-timeout 1e300 info", "--connect-timeout: 1e300 is outside (0, 1000000] seconds"},
+      {"--connect-timeout 0 info", "--connect-timeout: 0 is outside (0, 1000000] seconds"},
+      {"--timeout 1e300 info", "--timeout: 1e300 is outside (0, 1000000] seconds"},
+      {"--timeout 0 info", "--timeout: 0 is outside (0, 1000000] seconds"},
+      {"--timeout -1 generate --ids 1", "--timeout: -1 is outside (0, 1000000] seconds"},
+      {"health --timeout 1000000.5", "--timeout: 1000000.5 is outside (0, 1000000] seconds"},
+      {"--timeout inf info", "--timeout: 'inf' is not a number"},
+  };
+  for (const auto& [args, message] : bad) {
+    // Port 1: a flag that got past the check would show as "cannot reach" (exit 1). The
+    // later --connect-timeout wins.
+    const CliRun run = m3cli("--server 127.0.0.1:1 --connect-timeout 0.2 " + args);
+    EXPECT_EQ(run.exit_code, 2) << args << ": " << run.err;
+    EXPECT_TRUE(contains(run.err, message)) << args << ": " << run.err;
+  }
+  ScriptedServer server;
+  CliRun run = m3cli("--server " + server.address() + " --connect-timeout 1000000 --timeout 2.5 info");
+  EXPECT_EQ(run.exit_code, 0) << run.err;
+  // A deadline below a millisecond is a millisecond, not none: far too short for a long reply.
+  run = m3cli("--server " + server.address() + " --timeout 0.0001 generate --ids 1 --max-new-tokens 20000");
+  EXPECT_EQ(run.exit_code, 1) << run.err;
+  EXPECT_TRUE(contains(run.err, "Generate failed: DEADLINE_EXCEEDED")) << run.err;
+}
+
+TEST(M3cli, EveryFlagIsCheckedBeforeConnecting) {
+  // Port 1: nothing listens there; a usage mistake must win over "cannot reach" (exit 1).
+  const std::string unreachable = "--server 127.0.0.1:1 --connect-timeout 0.2 ";
+  CliRun run = m3cli(unreachable + "generate --ids 1 --print words");
+  EXPECT_EQ(run.exit_code, 2) << run.err;
+  EXPECT_TRUE(contains(run.err, "--print: 'words' is not auto, ids or text")) << run.err;
+  run = m3cli(unreachable + "converse --print words");
+  EXPECT_EQ(run.exit_code, 2) << run.err;
+  EXPECT_TRUE(contains(run.err, "--print: 'words' is not auto, ids or text")) << run.err;
+  run = m3cli(unreachable + "converse --timeout 0");
+  EXPECT_EQ(run.exit_code, 2) << run.err;
+  EXPECT_TRUE(contains(run.err, "--timeout: 0 is outside")) << run.err;
+}
+
 std::vector<char*> argv_of(std::vector<std::string>& args) {
   std::vector<char*> argv;
   for (auto& arg : args) argv.push_back(arg.data());
@@ -336,6 +431,95 @@ TEST(BenchServe, UsageAndConnectionProblemsFailTheRun) {
                                           "--connect-timeout", "0.3"};
   argv = argv_of(unreachable);
   EXPECT_EQ(run_bench_serve(static_cast<int>(argv.size()), argv.data()), 1);
+}
+
+TEST(BenchServe, SecondsFlagsAreBounded) {
+  const std::vector<std::pair<std::vector<std::string>, std::string>> bad = {
+      {{"serve", "--timeout", "1e300"}, "--timeout: 1e300 is outside (0, 1000000] seconds"},
+      {{"serve", "--timeout", "0"}, "--timeout: 0 is outside (0, 1000000] seconds"},
+      {{"serve", "--connect-timeout", "-1"}, "--connect-timeout: -1 is outside (0, 1000000] seconds"},
+      {{"serve", "--connect-timeout", "1e300"}, "--connect-timeout: 1e300 is outside (0, 1000000] seconds"},
+  };
+  for (auto [args, message] : bad) {
+    // Port 1: nothing listens there; a value that got past the check fails the run (exit 1).
+    args.insert(args.begin() + 1, {"--server", "127.0.0.1:1"});
+    if (args[3] != "--connect-timeout") args.insert(args.end(), {"--connect-timeout", "0.2"});
+    auto argv = argv_of(args);
+    testing::internal::CaptureStderr();
+    const int code = run_bench_serve(static_cast<int>(argv.size()), argv.data());
+    const std::string err = testing::internal::GetCapturedStderr();
+    EXPECT_EQ(code, 2) << args[3] << " " << args[4];
+    EXPECT_TRUE(contains(err, message)) << err;
+  }
+  // The largest timeout allowed is a deadline the requests meet.
+  ScriptedServer server;
+  std::vector<std::string> longest = {"serve", "--server", server.address(), "--requests", "2",
+                                      "--max-new-tokens", "2", "--timeout", "1000000",
+                                      "--connect-timeout", "1000000"};
+  auto argv = argv_of(longest);
+  EXPECT_EQ(run_bench_serve(static_cast<int>(argv.size()), argv.data()), 0);
+}
+
+// m3bench decode as a program: its flags are checked before anything else (CUDA or not).
+struct ToolRun {
+  int exit_code = -1;
+  std::string out, err;
+};
+
+ToolRun m3bench(const std::string& args) {
+  std::string dir = ::testing::TempDir() + "m3bench-XXXXXX";
+  if (mkdtemp(dir.data()) == nullptr) {
+    ADD_FAILURE() << "mkdtemp " << dir << ": " << std::strerror(errno);
+    return {};
+  }
+  const std::string out = dir + "/out", err = dir + "/err";
+  const int status =
+      std::system((std::string(M3_TEST_M3BENCH) + " " + args + " >" + out + " 2>" + err).c_str());
+  auto slurp = [](const std::string& path) {
+    std::ifstream file(path);
+    return std::string(std::istreambuf_iterator<char>(file), {});
+  };
+  ToolRun run{WIFEXITED(status) ? WEXITSTATUS(status) : -1, slurp(out), slurp(err)};
+  std::filesystem::remove_all(dir);
+  return run;
+}
+
+TEST(BenchDecode, BadFlagsNameTheFlagAndTheValue) {
+  const std::vector<std::pair<std::string, std::string>> bad = {
+      {"--batch 1,,4", "--batch: empty entry in \"1,,4\""},
+      {"--batch 1,4,", "--batch: empty entry in \"1,4,\""},
+      {"--batch ,1", "--batch: empty entry in \",1\""},
+      {"--batch ''", "--batch: empty entry in \"\""},
+      {"--batch abc", "--batch: \"abc\" is not an integer"},
+      {"--batch 4x", "--batch: \"4x\" is not an integer"},
+      {"--batch 99999999999", "--batch: 99999999999 is outside [1, 4096]"},
+      {"--batch 0", "--batch: 0 is outside [1, 4096]"},
+      {"--batch 4097", "--batch: 4097 is outside [1, 4096]"},
+      {"--iters 20x", "--iters: \"20x\" is not an integer"},
+      {"--iters 0", "--iters: 0 is outside [10, 1000000]"},
+      {"--iters -20", "--iters: -20 is outside [10, 1000000]"},
+      {"--seed 5x", "--seed: \"5x\" is not a non-negative integer"},
+      {"--seed -1", "--seed: \"-1\" is not a non-negative integer"},
+      {"--seed 18446744073709551616", "--seed: 18446744073709551616 is outside [0, 18446744073709551615]"},
+  };
+  for (const auto& [args, message] : bad) {
+    const ToolRun run = m3bench("decode --config configs/models/tiny.json " + args);
+    EXPECT_EQ(run.exit_code, 2) << args;
+    EXPECT_TRUE(contains(run.err, "m3bench decode: " + message + "\n")) << args << ": " << run.err;
+    EXPECT_TRUE(contains(run.err, "usage: m3bench decode")) << run.err;
+  }
+}
+
+TEST(BenchDecode, HelpGoesToStdoutAndExitsZero) {
+  for (const std::string& args : {"--help", "-h", "decode --help"}) {
+    const ToolRun run = m3bench(args);
+    EXPECT_EQ(run.exit_code, 0) << args;
+    EXPECT_TRUE(contains(run.out, "usage: m3bench decode")) << args << ": " << run.out;
+    EXPECT_EQ(run.err, "") << args;
+  }
+  const ToolRun none = m3bench("");
+  EXPECT_EQ(none.exit_code, 2);
+  EXPECT_TRUE(contains(none.err, "usage: m3bench")) << none.err;
 }
 
 }  // namespace

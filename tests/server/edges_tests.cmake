@@ -2,12 +2,14 @@
 # tests/server/CMakeLists.txt.
 
 if(TARGET m3cli AND TARGET m3_bench_serve)
-  # m3cli runs as a subprocess; run_bench_serve() is called in-process.
+  # m3cli and m3bench (its decode flags) run as subprocesses; run_bench_serve() is called
+  # in-process.
   add_executable(m3_clients_test ${CMAKE_CURRENT_LIST_DIR}/clients_test.cc)
   target_link_libraries(m3_clients_test PRIVATE
     m3_bench_serve m3_client_support nlohmann_json::nlohmann_json GTest::gtest_main)
-  add_dependencies(m3_clients_test m3cli)
-  target_compile_definitions(m3_clients_test PRIVATE M3_TEST_M3CLI="$<TARGET_FILE:m3cli>")
+  add_dependencies(m3_clients_test m3cli m3bench)
+  target_compile_definitions(m3_clients_test PRIVATE M3_TEST_M3CLI="$<TARGET_FILE:m3cli>"
+    M3_TEST_M3BENCH="$<TARGET_FILE:m3bench>")
   gtest_discover_tests(m3_clients_test)
 endif()
 
