@@ -362,6 +362,18 @@ TEST(ServerTest, AConverseCancelledBeforeItsFirstMessageCountsAsCancelled) {
   EXPECT_EQ(requests_with_status(*server.app, "cancelled"), 1);
 }
 
+// Starts a session on `stream` that replies once (3 tokens to kPrompt) and is then
+// between turns.
+template <class Stream>
+void one_reply_then_idle(Stream& stream) {
+  v1::ConverseRequest config, input, end;
+  config.mutable_config()->set_max_new_tokens(3);
+  for (int32_t id : kPrompt) input.mutable_input()->add_ids(id);
+  end.mutable_end_turn();
+  ASSERT_TRUE(stream.Write(config) && stream.Write(input) && stream.Write(end));
+  EXPECT_EQ(read_reply(stream).tokens.size(), 3u);
+}
+
 // A client that cancels an idle session (between turns) also ends its side of the
 // stream; whichever of the two reaches the session first, the call counts as cancelled.
 TEST(ServerTest, AnIdleConverseCancelledByItsClientCountsAsCancelled) {
@@ -370,12 +382,7 @@ TEST(ServerTest, AnIdleConverseCancelledByItsClientCountsAsCancelled) {
   for (int i = 0; i < kSessions; ++i) {
     grpc::ClientContext ctx;
     auto stream = server.stub->Converse(&ctx);
-    v1::ConverseRequest config, input, end;
-    config.mutable_config()->set_max_new_tokens(3);
-    for (int32_t id : kPrompt) input.mutable_input()->add_ids(id);
-    end.mutable_end_turn();
-    ASSERT_TRUE(stream->Write(config) && stream->Write(input) && stream->Write(end));
-    EXPECT_EQ(read_reply(*stream).tokens.size(), 3u);
+    one_reply_then_idle(*stream);
     ctx.TryCancel();
     v1::ConverseResponse response;
     while (stream->Read(&response)) {
@@ -810,12 +817,7 @@ TEST(ServerTest, ShutdownEndsASessionBetweenTurnsAtOnce) {
   TestServer server;
   grpc::ClientContext ctx;
   auto stream = server.stub->Converse(&ctx);
-  v1::ConverseRequest config, input, end;
-  config.mutable_config()->set_max_new_tokens(3);
-  for (int32_t id : kPrompt) input.mutable_input()->add_ids(id);
-  end.mutable_end_turn();
-  ASSERT_TRUE(stream->Write(config) && stream->Write(input) && stream->Write(end));
-  EXPECT_EQ(read_reply(*stream).tokens.size(), 3u);
+  one_reply_then_idle(*stream);
   const auto start = std::chrono::steady_clock::now();
   server.app->shutdown(3s);
   EXPECT_LT(std::chrono::steady_clock::now() - start, 2s) << "shutdown waited for the idle session";
