@@ -23,8 +23,9 @@
 // turn's end in sight) sits N+1 out. A stream receives the same tokens as with steps one
 // at a time (SchedulerOptions::pipelined = false).
 //
-// Per step the engine thread reads the clock once, touches only preallocated arrays and
-// each stream's ring buffer, and never logs or calls into gRPC.
+// Per step the engine thread reads the clock twice (at the token boundary and when the
+// step is collected), touches only preallocated arrays and each stream's ring buffer,
+// and never logs or calls into gRPC.
 #pragma once
 
 #include <chrono>
