@@ -580,6 +580,9 @@ int fused_cluster(const MimoStepArgs& a, int p_blocks) {
   const int forced = a.fused_cluster != 0 ? a.fused_cluster : mimo_step_tc_fused_cluster_switch();
   for (const int cl : {8, 4}) {
     if (forced != 0 && cl != forced) continue;
+    // The grouped output norm sums a head's rows over its blocks through the cluster, so
+    // each head's blocks must lie in one (headdim 48: three blocks a head, no cluster).
+    if (a.out_norm != nullptr && cl % p_blocks != 0) continue;
     if ((a.heads * p_blocks) % cl == 0 && a.d_model % (4 * cl) == 0) return cl;
   }
   return 0;

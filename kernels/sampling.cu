@@ -23,7 +23,7 @@ struct SamplingParams {
 // Monotone map of a float's bits to an unsigned integer (larger float, larger integer).
 // NaN maps to 0: it ranks after every number, as on the host.
 __device__ __forceinline__ uint32_t ordered_bits(float f) {
-  if (isnan(f)) return 0u;
+  if (isnan(f)) return 0u;  // below every number, -inf included, as in sample_token
   const uint32_t u = __float_as_uint(f);
   return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
@@ -115,7 +115,9 @@ __global__ void __launch_bounds__(kThreads) sampling_kernel(const SamplingParams
   best = block_key_max(best, red);
   int chosen = id_of(best);
 
-  if (sp.temperature >= FLT_MIN) {  // below it 1 / T overflows: greedy, as sample_token
+  // Below FLT_MIN 1 / T overflows: greedy, as sample_token; so is a non-finite top logit
+  // (a +inf, or nothing but NaN and -inf): there is nothing to weigh.
+  if (sp.temperature >= FLT_MIN && isfinite(l[chosen])) {
     const float lmax = l[chosen];
     const float inv_t = 1.f / sp.temperature;
     // Mass (sum of exp((l - lmax)/T)) and count of the kept ids (key >= floor) whose key
@@ -126,7 +128,11 @@ __global__ void __launch_bounds__(kThreads) sampling_kernel(const SamplingParams
       mass = 0.f;
       count = 0;
       for (int i = threadIdx.x; i < V; i += kThreads) {
-        if (key_of(i) >= from) { mass += expf((l[i] - lmax) * inv_t); ++count; }
+        if (key_of(i) >= from) {
+          const float li = l[i];
+          mass += isnan(li) ? 0.f : expf((li - lmax) * inv_t);  // NaN weighs nothing, as -inf
+          ++count;
+        }
       }
       block_sum_count(mass, count, red);
     };

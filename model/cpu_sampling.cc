@@ -59,10 +59,13 @@ int32_t sample_token(std::span<const float> logits, int vocab_size, const Sampli
   int32_t* order = scratch.order_.data();
   float* mass = scratch.mass_.data();
   for (int i = 0; i < vocab_size; ++i) order[i] = i;
+  // NaN ranks below every number, -inf included (greedy_token skips it); ties: lower id.
   const auto before = [&](int32_t a, int32_t b) {
-    const float ka = rank_key(logits[static_cast<size_t>(a)]);
-    const float kb = rank_key(logits[static_cast<size_t>(b)]);
-    return ka > kb || (ka == kb && a < b);
+    const float la = logits[static_cast<size_t>(a)], lb = logits[static_cast<size_t>(b)];
+    const bool nan_a = std::isnan(la), nan_b = std::isnan(lb);
+    if (nan_a != nan_b) return nan_b;
+    if (!nan_a && la != lb) return la > lb;
+    return a < b;
   };
   const int kept_k = params.top_k > 0 ? std::min(params.top_k, vocab_size) : vocab_size;
   if (kept_k < vocab_size) {

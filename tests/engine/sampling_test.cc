@@ -179,6 +179,18 @@ TEST(Sampling, NeverPicksPaddedIds) {
   }
 }
 
+TEST(Sampling, ARowWithNoFiniteLogitIsTakenAsGreedyTakesIt) {
+  const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+  SamplingScratch scratch(4);
+  const std::vector<float> no_finite = {nan, -inf, nan, -inf};  // NaN ranks below -inf
+  const std::vector<float> plus_inf = {1.0f, inf, nan, 2.0f};
+  for (uint64_t counter = 0; counter < 8; ++counter) {
+    EXPECT_EQ(sample_token(no_finite, 4, hot(1.0f), counter, scratch), greedy_token(no_finite, 4));
+    EXPECT_EQ(sample_token(plus_inf, 4, hot(0.7f, 0, 0.9f), counter, scratch), 1);
+  }
+  EXPECT_EQ(greedy_token(no_finite, 4), 1);
+}
+
 TEST(Sampling, NaNLogitsAreNeverDrawn) {
   const float nan = std::numeric_limits<float>::quiet_NaN();
   const std::vector<float> logits = {nan, 0.0f, nan, 0.0f, nan};

@@ -358,6 +358,18 @@ TEST(GemvKernel, RejectsColumnsThatBreakVectorLoads) {
   expect_plan_refused(12, "multiples of 8");
 }
 
+// Batch-1 CUDA-core plans the other tests do not reach: rows wider than 1024 columns at
+// two rows a warp take eight 8-weight chunks a lane per pass (s2s-14l's out_proj,
+// 896 x 1792, when out_proj is not fused), and the gated epilogue at four rows a warp in
+// bf16.
+TEST(GemvKernel, BatchOneWideRowsAndGatedFourRowsAWarpMatchTwin) {
+  M3_REQUIRE_CUDA_DEVICE();
+  run_case({97, 1800, 1, GemvEpilogue::Accumulate, false, WeightType::BF16, 3, false, 2}, 3600);
+  run_case({896, 1792, 1, GemvEpilogue::Accumulate, false, WeightType::BF16, 3, false, 2}, 3610);
+  run_case({97, 1800, 1, GemvEpilogue::Store, true, WeightType::F32, 3, false, 1}, 3620);
+  run_case({129, 136, 1, GemvEpilogue::GatedSilu, true, WeightType::BF16, 3, false, 4}, 3630);
+}
+
 TEST(GemvKernel, TakesASmallerTileWhereStaticSharedMemoryTipsTheLimit) {
   M3_REQUIRE_CUDA_DEVICE();
   // fp32 rows of 3168 columns: an 8-vector tile is exactly the 101,376-byte limit before the

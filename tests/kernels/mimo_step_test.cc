@@ -275,6 +275,18 @@ TEST(MimoStepKernel, MatchesTwinAtBatchSizesThatPickOtherTilings) {
 }
 
 // Large batches: many blocks per head shape, slots far apart in the state buffer.
+// Tilings the planner picks for shapes the other tests do not reach: d_state above 128
+// (two column halves), headdim 32 at batch >= 8, rank 8 and rank 1 with a whole head a
+// block (batch >= 4).
+TEST(MimoStepKernel, MatchesTwinInTheRemainingTilings) {
+  M3_REQUIRE_CUDA_DEVICE();
+  run_dims({2, 32, 256, 2, 64, false, true}, 3000, 3);
+  run_dims({2, 16, 200, 4, 50, true, true}, 3050, 5);
+  run_dims({3, 32, 64, 4, 16, false, true}, 3100, 9);
+  run_dims({1, 64, 128, 8, 32, false, true}, 3200, 4);
+  run_dims({2, 64, 64, 1, 16, false, true}, 3300, 5);
+}
+
 TEST(MimoStepKernel, MatchesTwinAtLargeBatches) {
   M3_REQUIRE_CUDA_DEVICE();
   run_dims({3, 48, 36, 4, 9, true, true}, 1000, 149);     // grouped norm, rows < 64
@@ -305,6 +317,9 @@ TEST(MimoStepKernel, TensorCoreVariantFusesOutProj) {
   run_dims({4, 16, 128, 4, 32, true, true}, 2400, 3, 64, bf16, true);
   run_dims({2, 64, 128, 4, 32, true, true}, 2500, 3, 64, bf16, true);   // 8 blocks, cluster 8
   run_dims({3, 64, 128, 4, 32, true, true}, 2600, 2, 48, bf16, true);   // 12 blocks, clusters 4
+  // Headdim 48: three blocks a head, so clusters of 4 cut heads. Without the grouped norm
+  // that is fine (with it the planner refuses to fuse: TensorCoreVariantRefusesToFuse...).
+  run_dims({4, 48, 128, 4, 32, false, true}, 2700, 1, 96, bf16, true);
 }
 
 // What the tensor-core kernel cannot fuse (fp32 columns, a d_model over 1024 or not a
@@ -343,7 +358,14 @@ TEST(MimoStepKernel, TensorCoreVariantRefusesToFuseWhatItCannot) {
   a.d_state = 128;
   a.heads = 1; a.headdim = 32;  // two blocks of 16 rows
   EXPECT_FALSE(kernels::mimo_step_can_fuse_out_proj(a));
-  a.heads = 2; a.headdim = 64;
+  a.heads = 4; a.headdim = 48; a.d_model = 96; a.residual_stride = 100;  // three blocks a head
+  EXPECT_TRUE(kernels::mimo_step_tc_can_fuse_out_proj(a));
+  DeviceArray<float> out_norm(4 * 48);
+  a.out_norm = out_norm.get();  // its sums need a head's blocks in one cluster (it addressed
+  EXPECT_FALSE(kernels::mimo_step_tc_can_fuse_out_proj(a));  // a cluster rank that does not exist)
+  EXPECT_FALSE(kernels::mimo_step_can_fuse_out_proj(a));  // so the engine keeps out_proj apart
+  a.out_norm = nullptr;
+  a.heads = 2; a.headdim = 64; a.d_model = 64; a.residual_stride = 68;
   a.out_proj = nullptr;
   EXPECT_TRUE(kernels::mimo_step_tc_applies(a));
 }
@@ -360,6 +382,8 @@ TEST(MimoStepKernel, TensorCoreVariantMatchesTwin) {
   run_dims({3, 16, 16, 1, 4, false, false}, 1600, 2, 0, bf16, true);  // SISO pairs, one warp
   run_dims({2, 64, 128, 4, 32, true, true}, 1700, 7, 0, bf16, true);  // small_norm_mlp's shape
   run_dims({2, 64, 128, 4, 32, false, true}, 1800, 150, 0, bf16, true);
+  run_dims({2, 64, 128, 2, 32, false, true}, 1850, 3, 0, bf16, true);  // rank 2, two warps a tile
+  run_dims({2, 64, 128, 1, 32, false, false}, 1870, 3, 0, bf16, true); // rank 1, two warps a tile
 }
 
 TEST(MimoStepKernel, TensorCoreVariantRefusesWhatItCannotDo) {
