@@ -255,6 +255,16 @@ void Scheduler::service_slot(int i, Clock::time_point now) {
                " generated tokens");
     return;
   }
+  // Shutting down, a session between turns (idle, none of its input left to feed) has
+  // nothing to finish: it ends now rather than holding the shutdown for its whole grace
+  // period (docker stop's SIGKILL came first with the defaults). One with input or a
+  // reply under way gets the grace. A step still in flight for it is dropped, as for a
+  // cancellation.
+  if (draining_ && seq.params().session && s.phase == Phase::kIdle && s.fed >= s.feed.size() &&
+      seq.pending_input_tokens() == 0) {
+    finish(i, StreamStatus::kUnavailable, "the server is shutting down");
+    return;
+  }
   if (s.phase == Phase::kReplying) return;
   if (s.in_flight > 0) {
     // Its last sample is not back yet: a prompt being fed may grow; anything that needs
@@ -263,13 +273,6 @@ void Scheduler::service_slot(int i, Clock::time_point now) {
     return;
   }
   if (!seq.input_changed()) {
-    // Shutting down, a session between turns has nothing to finish: it ends now rather
-    // than holding the shutdown for its whole grace period (docker stop's SIGKILL came
-    // first with the defaults). One with input or a reply under way gets the grace.
-    if (draining_ && seq.params().session && s.phase == Phase::kIdle) {
-      finish(i, StreamStatus::kUnavailable, "the server is shutting down");
-      return;
-    }
     if (now >= idle_deadline(s)) {
       char limit[32];
       std::snprintf(limit, sizeof limit, "%g",
