@@ -2,7 +2,6 @@
 
 #include <climits>
 #include <cmath>
-#include <fstream>
 #include <sstream>
 #include <stdexcept>
 

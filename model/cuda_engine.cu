@@ -418,9 +418,8 @@ void CudaEngine::capture(DecodeGraph& g) {
   try {
     launch_chains(g);
   } catch (...) {
-    cudaGraph_t broken = nullptr;
-    cudaStreamEndCapture(stream_, &broken);
-    if (broken) cudaGraphDestroy(broken);
+    CudaGraph broken;  // ends the capture; released on the way out
+    cudaStreamEndCapture(stream_, broken.out());
     throw;
   }
   M3_CUDA_CHECK(cudaStreamEndCapture(stream_, g.graph.out()));
@@ -456,19 +455,24 @@ void CudaEngine::check_usable(const char* fn) const {
   }
 }
 
+template <typename Work>
+void CudaEngine::or_unusable(Work&& work) {
+  try {
+    use_device();
+    work();
+  } catch (const std::exception& e) {
+    failure_ = e.what();
+    throw;
+  }
+}
+
 void CudaEngine::reset(int slot) {
   check_usable("reset");
   if (slot < 0 || slot >= max_slots_) {
     throw std::invalid_argument(slot_context("reset", slot) + " is out of range [0, " +
                                 std::to_string(max_slots_) + ")");
   }
-  try {
-    use_device();
-    zero_slot(slot);  // queued behind the steps already submitted, ahead of later ones
-  } catch (const std::exception& e) {
-    failure_ = e.what();
-    throw;
-  }
+  or_unusable([&] { zero_slot(slot); });  // queued behind the steps already submitted, ahead of later ones
   has_sample_[slot] = 0;
   steps_since_reset_[slot] = 0;
 }
@@ -559,17 +563,11 @@ void CudaEngine::submit(std::span<const int32_t> slots, std::span<const int32_t>
   }
 
   // Validated: from here on a failure may leave part of the step on the device.
-  try {
-    enqueue_step(slots, tokens, logits, q);
-  } catch (const std::exception& e) {
-    failure_ = e.what();
-    throw;
-  }
+  or_unusable([&] { enqueue_step(slots, tokens, logits, q); });
 }
 
 void CudaEngine::enqueue_step(std::span<const int32_t> slots, std::span<const int32_t> tokens,
                               std::span<float> logits, int q) {
-  use_device();
   const size_t n = slots.size();
   const size_t V = static_cast<size_t>(config_.padded_vocab());
   const DecodeGraph& g = graph_for_batch(static_cast<int>(n), q);
@@ -613,13 +611,7 @@ void CudaEngine::enqueue_step(std::span<const int32_t> slots, std::span<const in
 void CudaEngine::collect_step(std::span<int32_t> sampled) {
   check_usable("collect_step");
   const int q = queue_position_for_collect(sampled);
-  try {
-    use_device();
-    M3_CUDA_CHECK(cudaEventSynchronize(step_done_[q]));
-  } catch (const std::exception& e) {
-    failure_ = e.what();
-    throw;
-  }
+  or_unusable([&] { M3_CUDA_CHECK(cudaEventSynchronize(step_done_[q])); });
   const int32_t* sh = sampled_host_.as<int32_t>() + static_cast<size_t>(q) * max_bucket_;
   std::copy(sh, sh + sampled.size(), sampled.begin());
   queue_pop();

@@ -11,9 +11,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
-#include <fstream>
 #include <set>
-#include <sstream>
 #include <stdexcept>
 
 #include <nlohmann/json.hpp>

@@ -6,7 +6,7 @@ ConverseReactor::ConverseReactor(ServiceContext& ctx, grpc::CallbackServerContex
     : ctx_(ctx), call_(call), start_(Clock::now()), writer_(ctx) {
   session_id_ = ctx.make_request_id("conv-");
   if (!ctx.unstarted_sessions.add(this)) {  // shutdown began: no new session
-    complete(StreamStatus::kUnavailable, "the server is shutting down");
+    complete(StreamStatus::kUnavailable, kShuttingDownMessage);
     return;
   }
   StartRead(&request_);

@@ -57,7 +57,7 @@ Scheduler::~Scheduler() {
 Scheduler::Admission Scheduler::submit(std::shared_ptr<Sequence> sequence) {
   {
     std::lock_guard lock(mu_);
-    if (!accepting_) return {StreamStatus::kUnavailable, "the server is shutting down"};
+    if (!accepting_) return {StreamStatus::kUnavailable, kShuttingDownMessage};
     if (!engine_failure_.empty()) return {StreamStatus::kUnavailable, engine_unusable_message()};
     const int capacity = engine_.max_slots() + options_.queue_capacity;
     if (in_flight_ >= capacity) {
@@ -159,7 +159,7 @@ void Scheduler::admit_waiting(Clock::time_point now) {
   }
   for (auto& seq : rejected_) {
     if (cancel_everything) {
-      close_unadmitted(seq, StreamStatus::kUnavailable, "the server is shutting down");
+      close_unadmitted(seq, StreamStatus::kUnavailable, kShuttingDownMessage);
     } else if (engine_unusable) {
       close_unadmitted(seq, StreamStatus::kUnavailable, engine_unusable_message());
     } else {
@@ -223,7 +223,7 @@ void Scheduler::shutdown_all_slots() {
       continue;
     }
     if (s.phase == Phase::kReplying) end_reply(i, FinishReason::kCancelled, now);
-    finish(i, StreamStatus::kUnavailable, "the server is shutting down");
+    finish(i, StreamStatus::kUnavailable, kShuttingDownMessage);
   }
 }
 
@@ -262,7 +262,7 @@ void Scheduler::service_slot(int i, Clock::time_point now) {
   // cancellation.
   if (draining_ && seq.params().session && s.phase == Phase::kIdle && s.fed >= s.feed.size() &&
       seq.pending_input_tokens() == 0) {
-    finish(i, StreamStatus::kUnavailable, "the server is shutting down");
+    finish(i, StreamStatus::kUnavailable, kShuttingDownMessage);
     return;
   }
   if (s.phase == Phase::kReplying) return;

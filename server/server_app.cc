@@ -146,7 +146,7 @@ void ServerApp::shutdown(std::chrono::duration<double> grace) {
   // Converse streams that have sent nothing are not the scheduler's: end them now, as
   // sessions are ended (they have nothing to finish, and a first message would be refused).
   if (const size_t unstarted = context_->unstarted_sessions.end_all(StreamStatus::kUnavailable,
-                                                                    "the server is shutting down");
+                                                                    kShuttingDownMessage);
       unstarted > 0)
     logger_->info("shutting down: ended {} Converse streams that had started no session",
                   unstarted);

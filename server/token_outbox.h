@@ -34,6 +34,8 @@ enum class StreamStatus {
   kUnavailable,
 };
 const char* stream_status_name(StreamStatus);  // "ok", "invalid_argument", ... (metric labels)
+// The UNAVAILABLE message of every request a shutdown refuses or ends.
+inline constexpr const char kShuttingDownMessage[] = "the server is shutting down";
 
 struct TurnStats {
   uint32_t prompt_tokens = 0;

@@ -106,6 +106,10 @@ class CudaEngine final : public Engine {
   void use_device() const;
   // Refuses the call once a CUDA error has left the engine unusable (see failure_).
   void check_usable(const char* fn) const;
+  // Runs `work` (the CUDA part of a call, after its checks) on the engine's device; if it
+  // throws, the engine is unusable from then on (failure_) and the error goes on.
+  template <typename Work>
+  void or_unusable(Work&& work);
   void build_plans();
   // The step reads the device table `table` (0 or 1: see table_) and writes its ids into
   // that position's part of sampled_host_.
@@ -121,8 +125,8 @@ class CudaEngine final : public Engine {
   // submit_step, and the copy of the step's logits into `logits` (when not empty) before
   // the step counts as done.
   void submit(std::span<const int32_t> slots, std::span<const int32_t> tokens, std::span<float> logits);
-  // submit's part after validation, at queue position q: the copies, the replay, the
-  // bookkeeping.
+  // submit's part after validation, at queue position q (inside or_unusable): the copies,
+  // the replay, the bookkeeping.
   void enqueue_step(std::span<const int32_t> slots, std::span<const int32_t> tokens, std::span<float> logits,
                     int q);
   int chains_for_batch(int batch) const;
