@@ -52,7 +52,9 @@ TEST(M3make, Fp32) {
 }
 
 TEST(M3make, BadArgumentsExitTwoWithUsage) {
-  const std::string out = " --out /tmp/m3make_never_written";
+  test::ScratchDir dir;
+  const std::filesystem::path never_written = dir / "never_written";
+  const std::string out = " --out " + never_written.string();
   const std::vector<std::pair<std::string, std::string>> cases = {
       {"", "--config is required"},
       {"--config " + kTiny + " --seed 1" + out, "--dtype is required"},
@@ -71,7 +73,7 @@ TEST(M3make, BadArgumentsExitTwoWithUsage) {
     EXPECT_THAT(r.output, HasSubstr(message));
     EXPECT_THAT(r.output, HasSubstr("usage: m3make"));
   }
-  EXPECT_FALSE(std::filesystem::exists("/tmp/m3make_never_written"));
+  EXPECT_FALSE(std::filesystem::exists(never_written));
 }
 
 TEST(M3make, BadConfigExitsOne) {

@@ -148,15 +148,23 @@ struct CliRun {
   std::string err;
 };
 
-// Runs m3cli with `args` (shell words), stdin from `input`.
-CliRun m3cli(const std::string& args, const std::string& input = "") {
-  // A directory of its own: ctest runs tests in parallel, each in its own process, and
-  // shared file names in the temp dir would mix their outputs.
-  std::string dir = ::testing::TempDir() + "m3cli-XXXXXX";
+// A new directory under the temp dir (empty string, and a test failure, if it cannot be
+// made); the caller removes it. Files of a run go there: ctest runs tests in parallel, each
+// in its own process, so shared names in the temp dir would mix their outputs, and a file
+// an earlier run left would pass for one this run never wrote.
+std::string make_own_dir(const std::string& prefix) {
+  std::string dir = ::testing::TempDir() + "/" + prefix + "-XXXXXX";
   if (mkdtemp(dir.data()) == nullptr) {
     ADD_FAILURE() << "mkdtemp " << dir << ": " << std::strerror(errno);
-    return {-1, "", ""};
+    return {};
   }
+  return dir;
+}
+
+// Runs m3cli with `args` (shell words), stdin from `input`.
+CliRun m3cli(const std::string& args, const std::string& input = "") {
+  const std::string dir = make_own_dir("m3cli");
+  if (dir.empty()) return {-1, "", ""};
   const std::string in = dir + "/m3cli.in", out = dir + "/m3cli.out", err = dir + "/m3cli.err";
   std::ofstream(in) << input;
   const std::string command =
@@ -384,7 +392,9 @@ std::vector<char*> argv_of(std::vector<std::string>& args) {
 
 TEST(BenchServe, RunsEveryRequestAndWritesTheJsonReport) {
   ScriptedServer server;
-  const std::string json_path = ::testing::TempDir() + "/bench_serve.json";
+  const std::string dir = make_own_dir("bench-serve");
+  ASSERT_FALSE(dir.empty());
+  const std::string json_path = dir + "/bench_serve.json";
   std::vector<std::string> args = {"m3bench", "serve", "--server", server.address(),
                                    "--concurrency", "3", "--requests", "10",
                                    "--prompt-len", "5", "--max-new-tokens", "7",
@@ -402,12 +412,15 @@ TEST(BenchServe, RunsEveryRequestAndWritesTheJsonReport) {
   EXPECT_LE(report["time_to_first_token"]["p50_ms"].get<double>(),
             report["time_to_first_token"]["p99_ms"].get<double>());
   EXPECT_GT(report["tokens_per_second"].get<double>(), 0);
+  std::filesystem::remove_all(dir);
 }
 
 TEST(BenchServe, CountsFailedRequestsByStatus) {
   ScriptedServer server;
   server.service().refused_id_suffix = '3';
-  const std::string json_path = ::testing::TempDir() + "/bench_serve_errors.json";
+  const std::string dir = make_own_dir("bench-serve");
+  ASSERT_FALSE(dir.empty());
+  const std::string json_path = dir + "/bench_serve_errors.json";
   // Requests bench-3 and bench-13 are refused by the scripted server.
   std::vector<std::string> args = {"serve", "--server", server.address(), "--concurrency", "4",
                                    "--requests", "20", "--max-new-tokens", "3",
@@ -420,6 +433,7 @@ TEST(BenchServe, CountsFailedRequestsByStatus) {
   EXPECT_EQ(report["errors"], 2);
   EXPECT_EQ(report["errors_by_status"]["RESOURCE_EXHAUSTED"], 2);
   EXPECT_EQ(report["tokens"], 18 * 3);
+  std::filesystem::remove_all(dir);
 }
 
 TEST(BenchServe, UsageAndConnectionProblemsFailTheRun) {
@@ -467,11 +481,8 @@ struct ToolRun {
 };
 
 ToolRun m3bench(const std::string& args) {
-  std::string dir = ::testing::TempDir() + "m3bench-XXXXXX";
-  if (mkdtemp(dir.data()) == nullptr) {
-    ADD_FAILURE() << "mkdtemp " << dir << ": " << std::strerror(errno);
-    return {};
-  }
+  const std::string dir = make_own_dir("m3bench");
+  if (dir.empty()) return {};
   const std::string out = dir + "/out", err = dir + "/err";
   const int status =
       std::system((std::string(M3_TEST_M3BENCH) + " " + args + " >" + out + " 2>" + err).c_str());

@@ -395,7 +395,8 @@ TEST(ServerTest, AnIdleConverseCancelledByItsClientCountsAsCancelled) {
 
 TEST(ServerTest, DeadlineFreesTheSlot) {
   TestServer server(one_slot_config());
-  GenerateResult r = generate(*server.stub, generate_request(kPrompt, 100000), 300ms);
+  // Long enough for the first tokens to stream on a busy machine, then the deadline.
+  GenerateResult r = generate(*server.stub, generate_request(kPrompt, 100000), 1500ms);
   EXPECT_EQ(r.status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
   EXPECT_FALSE(r.tokens.empty());
   ASSERT_TRUE(wait_for_requests(*server.app, "deadline_exceeded", 1));
@@ -408,7 +409,9 @@ TEST(ServerTest, DeadlineFreesTheSlot) {
 // DEADLINE_EXCEEDED and the one slot serves the next request.
 TEST(ServerTest, AnIdleConverseSessionEndsAndFreesTheSlot) {
   ServerConfig config = one_slot_config();
-  config.session_idle_timeout_s = 0.3;
+  // (The idle clock also runs between the client's input and end_turn messages, so not
+  // much shorter: a stalled test thread there would end the session before its turn.)
+  config.session_idle_timeout_s = 1.0;
   TestServer server(config);
   grpc::ClientContext ctx;
   auto stream = server.stub->Converse(&ctx);
@@ -448,9 +451,9 @@ TEST(ServerTest, OverCapacityIsResourceExhausted) {
   ASSERT_TRUE(running->Read(&response));  // it holds the slot
   auto waiting = server.stub->Generate(&waiting_ctx, generate_request(kPrompt, 4));
   // Let the second one reach the queue before the third arrives.
-  for (int i = 0; i < 200 && server.app->metrics().serialize().find("m3serve_queue_depth 1") ==
-                                 std::string::npos; ++i)
-    std::this_thread::sleep_for(10ms);
+  ASSERT_TRUE(eventually([&] {
+    return server.app->metrics().serialize().find("m3serve_queue_depth 1") != std::string::npos;
+  })) << "the second request never queued";
 
   GenerateResult refused = generate(*server.stub, generate_request(kPrompt, 4), 5s);
   EXPECT_EQ(refused.status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
@@ -718,7 +721,9 @@ TEST(ServerTest, ConcurrentStreamsShareEngineSteps) {
   // One step per token for the whole batch: 4 streams of 3 + 1500 tokens need far
   // fewer steps than 4 * 1503 when they run together.
   const uint64_t steps = server.app->engine().stats().steps - steps_before;
-  EXPECT_LT(steps, 2u * 1503u) << "the streams did not share steps";
+  // (At least 1500 steps shared: a bound that holds however the four client threads are
+  // scheduled, short of one finishing before another starts.)
+  EXPECT_LT(steps, 4u * 1503u - 1500u) << "the streams did not share steps";
   EXPECT_GE(steps, 1502u);
 }
 
@@ -819,8 +824,8 @@ TEST(ServerTest, ShutdownEndsASessionBetweenTurnsAtOnce) {
   auto stream = server.stub->Converse(&ctx);
   one_reply_then_idle(*stream);
   const auto start = std::chrono::steady_clock::now();
-  server.app->shutdown(3s);
-  EXPECT_LT(std::chrono::steady_clock::now() - start, 2s) << "shutdown waited for the idle session";
+  server.app->shutdown(300s);  // a grace no test would wait out
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 60s) << "shutdown waited for the idle session";
   v1::ConverseResponse response;
   EXPECT_FALSE(stream->Read(&response));
   const grpc::Status status = stream->Finish();
@@ -836,8 +841,8 @@ TEST(ServerTest, ShutdownEndsAConverseStreamThatSentNothingAtOnce) {
   auto stream = server.stub->Converse(&ctx);
   ASSERT_TRUE(eventually([&] { return server.app->sessions_not_started() == 1; }));
   const auto start = std::chrono::steady_clock::now();
-  server.app->shutdown(3s);
-  EXPECT_LT(std::chrono::steady_clock::now() - start, 2s) << "shutdown waited for the stream";
+  server.app->shutdown(300s);  // a grace no test would wait out
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 60s) << "shutdown waited for the stream";
   v1::ConverseResponse response;
   EXPECT_FALSE(stream->Read(&response));
   const grpc::Status status = stream->Finish();
