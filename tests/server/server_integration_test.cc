@@ -472,6 +472,129 @@ TEST(ServerTest, OverCapacityIsResourceExhausted) {
   EXPECT_EQ(got, engine_generate(kPrompt, 4));
 }
 
+// A Converse client that cancels while its reply streams: the session ends as cancelled
+// and its slot serves the next request.
+TEST(ServerTest, AConverseCancelledMidReplyFreesTheSlot) {
+  TestServer server(one_slot_config());
+  {
+    grpc::ClientContext ctx;
+    auto stream = server.stub->Converse(&ctx);
+    v1::ConverseRequest input, end;
+    for (int32_t id : kPrompt) input.mutable_input()->add_ids(id);
+    end.mutable_end_turn()->set_max_new_tokens(100000);
+    ASSERT_TRUE(stream->Write(input) && stream->Write(end));
+    v1::ConverseResponse response;
+    ASSERT_TRUE(stream->Read(&response));
+    ASSERT_TRUE(response.has_tokens());
+    ctx.TryCancel();
+    while (stream->Read(&response)) {
+    }
+    EXPECT_EQ(stream->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  }
+  ASSERT_TRUE(wait_for_requests(*server.app, "cancelled", 1));
+  GenerateResult next = generate(*server.stub, generate_request(kPrompt, 3), 5s);
+  EXPECT_TRUE(next.status.ok()) << next.status.error_message();
+  EXPECT_EQ(requests_with_status(*server.app, "ok"), 1);
+}
+
+// With every slot busy and no queue, a new session is refused as a Generate would be,
+// and the server goes on.
+TEST(ServerTest, AConverseAtCapacityIsResourceExhausted) {
+  TestServer server(one_slot_config());
+  grpc::ClientContext running_ctx;
+  auto running = server.stub->Generate(&running_ctx, generate_request(kPrompt, 100000));
+  v1::GenerateResponse response;
+  ASSERT_TRUE(running->Read(&response));  // it holds the slot
+  v1::ConverseRequest input, end;
+  for (int32_t id : kPrompt) input.mutable_input()->add_ids(id);
+  end.mutable_end_turn()->set_max_new_tokens(3);
+  const grpc::Status refused = converse_status(*server.stub, {input, end});
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_NE(refused.error_message().find("server at capacity"), std::string::npos) << refused.error_message();
+  running_ctx.TryCancel();
+  while (running->Read(&response)) {
+  }
+  running->Finish();
+  ASSERT_TRUE(wait_for_requests(*server.app, "cancelled", 1));
+  EXPECT_TRUE(converse_status(*server.stub, {input, end}).ok());
+}
+
+// Requests waiting for the one slot: one whose deadline passes and one its client cancels
+// leave the queue with their own status, having streamed nothing; the slot then serves
+// the next request.
+TEST(ServerTest, AQueuedRequestItsClientGivesUpOnLeavesTheQueue) {
+  ServerConfig config = test_config();
+  config.max_batch = 1;
+  config.queue_capacity = 2;
+  TestServer server(config);
+  auto queue_depth_is = [&](int depth) {
+    return eventually([&] {
+      return server.app->metrics().serialize().find("m3serve_queue_depth " + std::to_string(depth)) !=
+             std::string::npos;
+    });
+  };
+  grpc::ClientContext running_ctx;
+  auto running = server.stub->Generate(&running_ctx, generate_request(kPrompt, 100000));
+  v1::GenerateResponse response;
+  ASSERT_TRUE(running->Read(&response));  // it holds the slot
+
+  grpc::ClientContext timed_ctx, cancelled_ctx;
+  timed_ctx.set_deadline(std::chrono::system_clock::now() + 2s);
+  auto timed = server.stub->Generate(&timed_ctx, generate_request(kPrompt, 4));
+  auto cancelled = server.stub->Generate(&cancelled_ctx, generate_request(kPrompt, 4));
+  ASSERT_TRUE(queue_depth_is(2)) << "the two requests never queued";
+  cancelled_ctx.TryCancel();
+  EXPECT_FALSE(cancelled->Read(&response));
+  EXPECT_EQ(cancelled->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  EXPECT_FALSE(timed->Read(&response));  // nothing streamed before its deadline
+  EXPECT_EQ(timed->Finish().error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
+  ASSERT_TRUE(queue_depth_is(0));
+  EXPECT_TRUE(wait_for_requests(*server.app, "cancelled", 1));
+  EXPECT_TRUE(wait_for_requests(*server.app, "deadline_exceeded", 1));
+
+  running_ctx.TryCancel();
+  while (running->Read(&response)) {
+  }
+  running->Finish();
+  GenerateResult next = generate(*server.stub, generate_request(kPrompt, 3), 5s);
+  EXPECT_TRUE(next.status.ok()) << next.status.error_message();
+  EXPECT_EQ(next.tokens, engine_generate(kPrompt, 3));
+}
+
+// Shutdown within its grace: the stream in flight runs to its end, the request waiting
+// for its slot is then served, and both end ok; afterwards nothing is accepted.
+TEST(ServerTest, ShutdownServesWhatWasAcceptedWithinTheGrace) {
+  ServerConfig config = test_config();
+  config.max_batch = 1;
+  config.queue_capacity = 1;
+  TestServer server(config);
+  grpc::ClientContext running_ctx;
+  auto running = server.stub->Generate(&running_ctx, generate_request(kPrompt, 3000));
+  v1::GenerateResponse response;
+  ASSERT_TRUE(running->Read(&response));
+  std::vector<int32_t> got(response.tokens().ids().begin(), response.tokens().ids().end());
+  auto queued = std::async(std::launch::async, [&] { return generate(*server.stub, generate_request(kPrompt, 5)); });
+  ASSERT_TRUE(eventually([&] {
+    return server.app->metrics().serialize().find("m3serve_queue_depth 1") != std::string::npos;
+  })) << "the second request never queued";
+
+  std::thread stopper([&] { server.app->shutdown(300s); });  // a grace no test would wait out
+  bool finished_by_length = false;
+  while (running->Read(&response)) {
+    if (response.has_tokens()) got.insert(got.end(), response.tokens().ids().begin(), response.tokens().ids().end());
+    if (response.has_finished()) finished_by_length = response.finished().reason() == v1::FINISH_REASON_LENGTH;
+  }
+  EXPECT_TRUE(running->Finish().ok());
+  EXPECT_TRUE(finished_by_length);
+  EXPECT_EQ(got.size(), 3000u);
+  const GenerateResult served = queued.get();
+  EXPECT_TRUE(served.status.ok()) << served.status.error_message();
+  EXPECT_EQ(served.tokens, engine_generate(kPrompt, 5));
+  stopper.join();
+  EXPECT_EQ(requests_with_status(*server.app, "ok"), 2);
+  EXPECT_FALSE(generate(*server.stub, generate_request(kPrompt, 3), 2s).status.ok());
+}
+
 TEST(ServerTest, MalformedRequestsAreInvalidArgumentAndTheServerKeepsServing) {
   TestServer server;
   struct Case {
@@ -512,6 +635,17 @@ TEST(ServerTest, MalformedRequestsAreInvalidArgumentAndTheServerKeepsServing) {
   r = generate_request(kPrompt, 4);
   r.add_stop_token_ids(9999);
   add("stop id out of range", r, "stop_token_ids[0] = 9999 is outside the model's vocabulary [0, 512)");
+  add("prompt over max_prompt_tokens", generate_request(std::vector<int32_t>(8193, 1), 4),
+      "the prompt has 8193 tokens, this server's limit is 8192 (max_prompt_tokens)");
+  r = generate_request(kPrompt, 4);
+  for (int i = 0; i < 65; ++i) r.add_stop_token_ids(i);
+  add("too many stop ids", r, "stop_token_ids has 65 ids, at most 64 are allowed");
+  r = generate_request(kPrompt, 4);
+  r.set_request_id(std::string(129, 'r'));
+  add("long request_id", r, "request_id is 129 bytes long, at most 128 are allowed");
+  r = generate_request(kPrompt, 4);
+  r.set_request_id("tab\there");
+  add("control character in request_id", r, "request_id contains a control character");
   v1::GenerateRequest text;
   text.set_prompt_text("hello");
   text.set_max_new_tokens(4);
@@ -556,7 +690,13 @@ TEST(ServerTest, ARefusedRequestIdIsNotLogged) {
 TEST(ServerTest, ConverseProtocolErrorsAreInvalidArgument) {
   TestServer server;
   v1::ConverseRequest config, input, bad_input, end, empty, text, long_reply, end_no_limit;
+  v1::ConverseRequest bad_id, huge_limit, bad_top_p, bad_stop, long_turn;
   config.mutable_config()->set_max_new_tokens(4);
+  bad_id.mutable_config()->set_session_id("line\nbreak");
+  huge_limit.mutable_config()->set_max_new_tokens(200000);
+  bad_top_p.mutable_config()->mutable_sampling()->set_top_p(0.0f);
+  bad_stop.mutable_config()->add_stop_token_ids(600);
+  for (int i = 0; i < 8193; ++i) long_turn.mutable_input()->add_ids(1);
   input.mutable_input()->add_ids(10);
   bad_input.mutable_input()->add_ids(600);
   end.mutable_end_turn();
@@ -580,6 +720,13 @@ TEST(ServerTest, ConverseProtocolErrorsAreInvalidArgument) {
       {{input, end_no_limit},
        "end_turn.max_new_tokens is 0 and the session config sets no max_new_tokens: one of them "
        "must bound the reply"},
+      {{bad_id, input, end}, "config.session_id contains a control character"},
+      {{huge_limit, input, end},
+       "config.max_new_tokens = 200000 is above this server's limit of 100000 (max_new_tokens_limit)"},
+      {{bad_top_p, input, end}, "config.sampling.top_p must be in (0, 1], got 0"},
+      {{bad_stop, input, end}, "config.stop_token_ids[0] = 600 is outside the model's vocabulary [0, 512)"},
+      // (Turns count from 0, as TurnFinished.turn does.)
+      {{config, long_turn, end}, "turn 0 has 8193 input tokens, this server's limit is 8192 (max_prompt_tokens)"},
   };
   for (const Case& c : cases) {
     grpc::Status status = converse_status(*server.stub, c.messages);
