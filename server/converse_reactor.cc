@@ -228,12 +228,8 @@ void ConverseReactor::OnDone() {
   // the session before OnCancel does: an idle session (or a stream with none) then ends
   // "ok". Only now, with the call done, is IsCancelled() certain; such an end is the
   // cancellation it was.
-  if (final_status_ == StreamStatus::kOk && call_->IsCancelled()) {
-    const CallEnd end = call_end_reason(*call_);
-    record(end.status, end.message);
-  } else {
-    record(final_status_, final_message_);
-  }
+  const CallEnd end = recorded_end(*call_, final_status_, final_message_);
+  record(end.status, end.message);
   delete this;
 }
 

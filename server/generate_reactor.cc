@@ -31,8 +31,8 @@ GenerateReactor::GenerateReactor(ServiceContext& ctx, grpc::CallbackServerContex
 }
 
 std::string GenerateReactor::id_to_log(const v1::GenerateRequest& request) {
-  // A client's id is logged and echoed only once it is known to be short and free of
-  // control characters: a newline in it would forge log lines. A refused one is replaced
+  // A client's id is logged and echoed only once it is known to be short and of the id
+  // alphabet: a space or newline in it would forge log fields or lines. A refused one is replaced
   // (the refusal's message says what was wrong with it).
   if (request.request_id().empty() || !check_request_id(request.request_id(), "request_id").empty())
     return ctx_.make_request_id("gen-");
@@ -85,9 +85,21 @@ void GenerateReactor::OnCancel() {
   ctx_.scheduler->wake();
 }
 
-void GenerateReactor::OnDone() { delete this; }
+void GenerateReactor::OnDone() {
+  // A stream the engine finished can still be cancelled by its client (or its deadline)
+  // while its last messages are on their way.
+  const CallEnd end = recorded_end(*call_, final_status_, final_message_);
+  record(end.status, end.message);
+  delete this;
+}
 
 void GenerateReactor::complete(StreamStatus status, const std::string& message) {
+  final_status_ = status;  // recorded in OnDone
+  final_message_ = message;
+  Finish(to_grpc_status(status, message));
+}
+
+void GenerateReactor::record(StreamStatus status, const std::string& message) {
   RequestRecord record;
   record.method = "Generate";
   record.request_id = request_id_;
@@ -96,7 +108,6 @@ void GenerateReactor::complete(StreamStatus status, const std::string& message) 
   if (seq_) record.summary = seq_->summary;
   record.duration_ms = std::chrono::duration<double, std::milli>(Clock::now() - start_).count();
   record_request_end(ctx_, record);
-  Finish(to_grpc_status(status, message));
 }
 
 }  // namespace m3

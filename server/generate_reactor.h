@@ -30,7 +30,9 @@ class GenerateReactor final : public grpc::ServerWriteReactor<v1::GenerateRespon
   std::string id_to_log(const v1::GenerateRequest& request);
   // Returns "" or the INVALID_ARGUMENT message.
   std::string read_prompt(const v1::GenerateRequest& request, std::vector<int32_t>* prompt);
+  // Finishes the call with this status; OnDone records it (or the client's cancellation).
   void complete(StreamStatus status, const std::string& message);
+  void record(StreamStatus status, const std::string& message);
 
   ServiceContext& ctx_;
   grpc::CallbackServerContext* call_;
@@ -38,6 +40,8 @@ class GenerateReactor final : public grpc::ServerWriteReactor<v1::GenerateRespon
   std::string request_id_;
   uint64_t seed_ = 0;
   std::shared_ptr<Sequence> seq_;
+  StreamStatus final_status_ = StreamStatus::kOk;
+  std::string final_message_;
 
   OutboxWriter<v1::GenerateResponse> writer_;
 };

@@ -64,6 +64,12 @@ CallEnd call_end_reason(const grpc::CallbackServerContext& call) {
   return {StreamStatus::kCancelled, "cancelled by the client"};
 }
 
+CallEnd recorded_end(const grpc::CallbackServerContext& call, StreamStatus finished_with,
+                     const std::string& message) {
+  if (finished_with == StreamStatus::kOk && call.IsCancelled()) return call_end_reason(call);
+  return {finished_with, message};
+}
+
 void request_cancel_for_call_end(Sequence& seq, const grpc::CallbackServerContext& call) {
   CallEnd end = call_end_reason(call);
   seq.request_cancel(end.status, std::move(end.message));

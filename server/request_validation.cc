@@ -1,6 +1,8 @@
 #include "server/request_validation.h"
 
 #include <cmath>
+#include <cstdio>
+#include <cstring>
 #include <random>
 #include <sstream>
 
@@ -64,8 +66,15 @@ std::string check_request_id(const std::string& id, const char* field) {
     return std::string(field) + " is " + std::to_string(id.size()) + " bytes long, at most " +
            std::to_string(kMaxRequestIdBytes) + " are allowed";
   }
-  for (unsigned char c : id)
-    if (c < 0x20 || c == 0x7f) return std::string(field) + " contains a control character";
+  // Ids go into log lines as key=value words: a space, quote, '=' or line break in one
+  // could forge fields or lines, so only a plain identifier alphabet is taken.
+  for (unsigned char c : id) {
+    const bool alnum = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9');
+    if (alnum || (c != 0 && std::strchr("._:@/+-", c) != nullptr)) continue;
+    char code[8];
+    std::snprintf(code, sizeof code, "0x%02x", c);
+    return std::string(field) + " contains the byte " + code + ": ids may use letters, digits and . _ : @ / + - only";
+  }
   return "";
 }
 

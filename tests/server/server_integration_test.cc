@@ -10,6 +10,7 @@
 #include <thread>
 
 #include "server/metrics.h"
+#include "tests/error_of.h"
 #include "tests/server/server_test_support.h"
 
 namespace m3::test {
@@ -494,7 +495,35 @@ TEST(ServerTest, AConverseCancelledMidReplyFreesTheSlot) {
   ASSERT_TRUE(wait_for_requests(*server.app, "cancelled", 1));
   GenerateResult next = generate(*server.stub, generate_request(kPrompt, 3), 5s);
   EXPECT_TRUE(next.status.ok()) << next.status.error_message();
-  EXPECT_EQ(requests_with_status(*server.app, "ok"), 1);
+  EXPECT_TRUE(wait_for_requests(*server.app, "ok", 1));
+  EXPECT_EQ(requests_with_status(*server.app, "cancelled"), 1);
+}
+
+// A client that stops reading, then cancels after the engine made its last token (the
+// tokens still waiting to be sent): it got CANCELLED, and that is what is recorded.
+TEST(ServerTest, AGenerateCancelledAfterItsLastTokenWasMadeCountsAsCancelled) {
+  ServerConfig config = test_config();
+  config.stream_buffer_tokens = 20000;
+  TestServer server(config);
+  grpc::ChannelArguments args;  // a receive window of about 1 KB: the writes stall
+  args.SetInt(GRPC_ARG_HTTP2_BDP_PROBE, 0);
+  args.SetInt("grpc.http2.lookahead_bytes", 1024);
+  auto stub = v1::M3Serve::NewStub(grpc::CreateCustomChannel(
+      "127.0.0.1:" + std::to_string(server.app->port()), grpc::InsecureChannelCredentials(), args));
+  grpc::ClientContext ctx;
+  auto reader = stub->Generate(&ctx, generate_request(kPrompt, 20000));
+  ASSERT_TRUE(eventually([&] {
+    const std::string text = server.app->metrics().serialize();
+    return metric_value(text, "m3serve_time_to_first_token_seconds_count") == 1 &&
+           metric_value(text, "m3serve_active_sequences") == 0;
+  })) << "the engine did not finish the stream";
+  ctx.TryCancel();
+  v1::GenerateResponse response;
+  while (reader->Read(&response)) {
+  }
+  EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  ASSERT_TRUE(wait_for_requests(*server.app, "cancelled", 1));
+  EXPECT_EQ(requests_with_status(*server.app, "ok"), 0);
 }
 
 // With every slot busy and no queue, a new session is refused as a Generate would be,
@@ -591,7 +620,7 @@ TEST(ServerTest, ShutdownServesWhatWasAcceptedWithinTheGrace) {
   EXPECT_TRUE(served.status.ok()) << served.status.error_message();
   EXPECT_EQ(served.tokens, engine_generate(kPrompt, 5));
   stopper.join();
-  EXPECT_EQ(requests_with_status(*server.app, "ok"), 2);
+  EXPECT_TRUE(wait_for_requests(*server.app, "ok", 2));
   EXPECT_FALSE(generate(*server.stub, generate_request(kPrompt, 3), 2s).status.ok());
 }
 
@@ -645,7 +674,11 @@ TEST(ServerTest, MalformedRequestsAreInvalidArgumentAndTheServerKeepsServing) {
   add("long request_id", r, "request_id is 129 bytes long, at most 128 are allowed");
   r = generate_request(kPrompt, 4);
   r.set_request_id("tab\there");
-  add("control character in request_id", r, "request_id contains a control character");
+  add("control character in request_id", r,
+      "request_id contains the byte 0x09: ids may use letters, digits and . _ : @ / + - only");
+  r = generate_request(kPrompt, 4);
+  r.set_request_id("x status=ok");
+  add("space in request_id", r, "request_id contains the byte 0x20: ids may use letters, digits and . _ : @ / + - only");
   v1::GenerateRequest text;
   text.set_prompt_text("hello");
   text.set_max_new_tokens(4);
@@ -670,13 +703,17 @@ TEST(ServerTest, ARefusedRequestIdIsNotLogged) {
   TestServer server;
   v1::GenerateRequest forged = generate_request(kPrompt, 3);
   forged.set_request_id("x status=ok\nGenerate id=forged status=ok tokens_in=6");
+  v1::GenerateRequest spaced = generate_request(kPrompt, 3);  // fields, not lines
+  spaced.set_request_id("forged status=ok tokens_in=6 tokens_out=3");
   v1::GenerateRequest huge = generate_request(kPrompt, 3);
   huge.set_request_id(std::string(1 << 20, 'a'));
-  for (const auto* request : {&forged, &huge}) {
+  for (const auto* request : {&forged, &spaced, &huge}) {
     const size_t before = server.sink->count();
     GenerateResult bad = generate(*server.stub, *request, 5s);
     EXPECT_EQ(bad.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
-    const auto lines = server.sink->lines();  // logged before the status was sent
+    // (Logged as the call ends, just after the client sees its status.)
+    ASSERT_TRUE(eventually([&] { return server.sink->count() > before; }));
+    const auto lines = server.sink->lines();
     ASSERT_EQ(lines.size(), before + 1);
     const std::string& line = lines.back();
     EXPECT_EQ(line.find("Generate id=gen-"), 0u) << line.substr(0, 200);
@@ -720,7 +757,8 @@ TEST(ServerTest, ConverseProtocolErrorsAreInvalidArgument) {
       {{input, end_no_limit},
        "end_turn.max_new_tokens is 0 and the session config sets no max_new_tokens: one of them "
        "must bound the reply"},
-      {{bad_id, input, end}, "config.session_id contains a control character"},
+      {{bad_id, input, end},
+       "config.session_id contains the byte 0x0a: ids may use letters, digits and . _ : @ / + - only"},
       {{huge_limit, input, end},
        "config.max_new_tokens = 200000 is above this server's limit of 100000 (max_new_tokens_limit)"},
       {{bad_top_p, input, end}, "config.sampling.top_p must be in (0, 1], got 0"},
@@ -912,6 +950,16 @@ TEST(ServerTest, HealthServiceSaysServing) {
   EXPECT_EQ(health_check(server, ""), std::string("\x08\x01", 2)) << "status SERVING";
   // By the service's name too (probes that name it got NOT_FOUND).
   EXPECT_EQ(health_check(server, "m3serve.v1.M3Serve"), std::string("\x08\x01", 2));
+}
+
+// gRPC would share the port (SO_REUSEPORT) and split the connections between the two.
+TEST(ServerTest, ASecondServerOnTheSamePortIsRefused) {
+  TestServer first;
+  ServerConfig config = test_config();
+  config.listen = "127.0.0.1:" + std::to_string(first.app->port());
+  const std::string msg = test::error_of([&] { ServerApp second(config, first.logger); });
+  EXPECT_NE(msg.find("cannot listen for gRPC on " + config.listen), std::string::npos) << msg;
+  EXPECT_TRUE(generate(*first.stub, generate_request(kPrompt, 3), 5s).status.ok());
 }
 
 TEST(ServerTest, ModelInfo) {
