@@ -222,8 +222,9 @@ void Scheduler::shutdown_all_slots() {
       end_reply(i, FinishReason::kCancelled, now);  // Finished{CANCELLED}, then OK
       continue;
     }
+    // A reply in progress reaches its client as it stands, with its TurnFinished.
     if (s.phase == Phase::kReplying) end_reply(i, FinishReason::kCancelled, now);
-    finish(i, StreamStatus::kUnavailable, kShuttingDownMessage);
+    finish(i, StreamStatus::kUnavailable, kShuttingDownMessage, TokenOutbox::Unsent::kDeliver);
   }
 }
 
@@ -403,7 +404,7 @@ void Scheduler::end_reply(int i, FinishReason reason, Clock::time_point now) {
   seq.mark_input_changed();
 }
 
-void Scheduler::finish(int i, StreamStatus status, std::string message) {
+void Scheduler::finish(int i, StreamStatus status, std::string message, TokenOutbox::Unsent unsent) {
   Slot& s = slots_[i];
   std::shared_ptr<Sequence> seq = std::move(s.seq);
   s.seq.reset();
@@ -414,7 +415,7 @@ void Scheduler::finish(int i, StreamStatus status, std::string message) {
   free_slots_.push_back(i);
   --active_;
   if (metrics_) metrics_->set_active_sequences(active_);
-  if (seq->outbox().close(status, std::move(message))) wake_writer(seq);
+  if (seq->outbox().close(status, std::move(message), unsent)) wake_writer(seq);
   {
     std::lock_guard lock(mu_);
     --in_flight_;

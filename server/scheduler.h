@@ -85,8 +85,9 @@ class Scheduler {
   void stop_accepting();
   // Waits until no sequence is left or `deadline`; returns true when none is left.
   bool wait_until_idle(Clock::time_point deadline);
-  // Ends every sequence now: replies end with FinishReason::kCancelled; Generate streams
-  // then close OK, sessions and queued requests with UNAVAILABLE. Waits until done.
+  // Ends every sequence now: replies end with FinishReason::kCancelled (after the tokens
+  // made so far); Generate streams then close OK, sessions and queued requests with
+  // UNAVAILABLE. Waits until done.
   void cancel_all();
 
   int in_flight() const;  // queued + holding a slot
@@ -152,7 +153,8 @@ class Scheduler {
   Clock::time_point idle_deadline(const Slot& s) const;
   void emit(int slot, int32_t token, Clock::time_point now);
   void end_reply(int slot, FinishReason reason, Clock::time_point now);
-  void finish(int slot, StreamStatus status, std::string message);
+  void finish(int slot, StreamStatus status, std::string message,
+              TokenOutbox::Unsent unsent = TokenOutbox::Unsent::kDrop);
   void close_unadmitted(const std::shared_ptr<Sequence>& seq, StreamStatus status,
                         std::string message);
   void wake_writer(const std::shared_ptr<Sequence>& seq);

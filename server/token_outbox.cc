@@ -42,13 +42,13 @@ bool TokenOutbox::end_turn(const TurnEnd& end) {
   return true;
 }
 
-bool TokenOutbox::close(StreamStatus status, std::string message) {
+bool TokenOutbox::close(StreamStatus status, std::string message, Unsent unsent) {
   std::lock_guard lock(mu_);
   if (closed_) return false;
   closed_ = true;
   status_ = status;
   message_ = std::move(message);
-  if (status != StreamStatus::kOk) {
+  if (status != StreamStatus::kOk && unsent == Unsent::kDrop) {
     taken_ = pushed_;  // an error ends the stream now: unsent tokens are dropped
     turn_ends_.clear();
   }

@@ -60,9 +60,12 @@ class TokenOutbox {
   // Engine thread. No allocation.
   Push push(int32_t token);
   bool end_turn(const TurnEnd& end);
-  // After close() nothing more is accepted. With an error status, unsent tokens are
-  // dropped; with kOk everything queued is delivered first.
-  bool close(StreamStatus status, std::string message);
+  // After close() nothing more is accepted. With kOk everything queued is delivered
+  // first; with an error status unsent tokens and turn ends are dropped (the stream ends
+  // now: a slow reader, a failed step), unless kDeliver asks for them to go first (a
+  // shutdown ending a session mid-reply: its reply so far, then its TurnFinished).
+  enum class Unsent { kDrop, kDeliver };
+  bool close(StreamStatus status, std::string message, Unsent unsent = Unsent::kDrop);
 
   struct Item {
     enum Kind { kNothing, kTokens, kTurnEnd, kClosed } kind = kNothing;

@@ -6,6 +6,7 @@
 
 #include <functional>
 #include <future>
+#include <optional>
 #include <regex>
 #include <thread>
 
@@ -1008,6 +1009,36 @@ TEST(ServerTest, ShutdownCancelsWhatOutlivesTheGracePeriod) {
   stopper.join();
   GenerateResult after = generate(*server.stub, generate_request(kPrompt, 3), 2s);
   EXPECT_FALSE(after.status.ok());
+}
+
+// A session replying when the grace runs out gets its reply so far and a TurnFinished
+// saying it was cancelled, then UNAVAILABLE (the turn ends were dropped with the tokens).
+TEST(ServerTest, ShutdownEndsASessionMidReplyWithItsTurnFinished) {
+  TestServer server;
+  grpc::ClientContext ctx;
+  auto stream = server.stub->Converse(&ctx);
+  v1::ConverseRequest input, end;
+  input.mutable_input()->add_ids(5);
+  end.mutable_end_turn()->set_max_new_tokens(100000);
+  ASSERT_TRUE(stream->Write(input) && stream->Write(end));
+  v1::ConverseResponse response;
+  ASSERT_TRUE(stream->Read(&response));
+  ASSERT_TRUE(response.has_tokens());
+  size_t tokens = response.tokens().ids_size();
+  std::thread stopper([&] { server.app->shutdown(0s); });
+  std::optional<v1::TurnFinished> finished;
+  while (stream->Read(&response)) {
+    if (response.has_tokens()) tokens += response.tokens().ids_size();
+    if (response.has_turn_finished()) finished = response.turn_finished();
+  }
+  const grpc::Status status = stream->Finish();
+  stopper.join();
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_EQ(status.error_message(), "the server is shutting down");
+  ASSERT_TRUE(finished.has_value()) << "no TurnFinished before the stream ended";
+  EXPECT_EQ(finished->turn(), 0u);
+  EXPECT_EQ(finished->reason(), v1::FINISH_REASON_CANCELLED);
+  EXPECT_EQ(finished->timings().generated_tokens(), tokens);
 }
 
 // A session between turns has nothing to finish: shutdown ends it at once with

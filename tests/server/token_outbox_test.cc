@@ -74,5 +74,25 @@ TEST(TokenOutboxTest, AnErrorDropsWhatWasNotSent) {
   EXPECT_FALSE(box.close(StreamStatus::kOk, ""));  // the first close wins
 }
 
+TEST(TokenOutboxTest, AnErrorCanDeliverWhatWasQueuedFirst) {
+  TokenOutbox box(16);
+  std::vector<int32_t> got;
+  box.push(1);
+  box.push(2);
+  box.end_turn({3, FinishReason::kCancelled, {}});
+  box.close(StreamStatus::kUnavailable, "the server is shutting down", TokenOutbox::Unsent::kDeliver);
+  TokenOutbox::Item item = box.take(&got);
+  ASSERT_EQ(item.kind, TokenOutbox::Item::kTokens);
+  EXPECT_EQ(got, (std::vector<int32_t>{1, 2}));
+  item = box.take(&got);
+  ASSERT_EQ(item.kind, TokenOutbox::Item::kTurnEnd);
+  EXPECT_EQ(item.turn_end.turn, 3u);
+  EXPECT_EQ(item.turn_end.reason, FinishReason::kCancelled);
+  item = box.take(&got);
+  ASSERT_EQ(item.kind, TokenOutbox::Item::kClosed);
+  EXPECT_EQ(item.status, StreamStatus::kUnavailable);
+  EXPECT_EQ(item.message, "the server is shutting down");
+}
+
 }  // namespace
 }  // namespace m3
