@@ -306,15 +306,26 @@ int gemv_small_rows_per_warp_switch() {
   return rpw == 1 || rpw == 2 || rpw == 4 ? rpw : 0;
 }
 
+std::string gemv_cols_refusal(int cols) {
+  // The CUDA-core kernel stages a tile of fp32 input rows in shared memory beside its
+  // static partial sums (kWarps floats a row); the tensor-core ones fall back to it.
+  const int max_cols = static_cast<int>(kMaxSharedBytesPerBlock / sizeof(float)) - kWarps;
+  if (cols <= 0) return "must be positive";
+  if (cols % 8 != 0) return "must be a multiple of 8 (16-byte weight loads)";
+  if (cols > max_cols) return "must be at most " + std::to_string(max_cols) + " (one fp32 input row in shared memory)";
+  return {};
+}
+
 KernelLaunch plan_gemv(const GemvArgs& a) {
   const std::string shape = "gemv " + std::to_string(a.out_rows) + "x" + std::to_string(a.cols) +
                             " batch " + std::to_string(a.batch);
   if (a.out_rows <= 0 || a.cols <= 0 || a.batch <= 0) {
     throw std::invalid_argument(shape + ": sizes must be positive");
   }
-  if (a.cols % 8 != 0 || a.x_stride % 4 != 0) {
-    throw std::invalid_argument(shape + ": cols and x_stride must be multiples of 8 and 4 (16-byte loads)");
+  if (const std::string why = gemv_cols_refusal(a.cols); !why.empty()) {
+    throw std::invalid_argument(shape + ": cols " + why);
   }
+  if (a.x_stride % 4 != 0) throw std::invalid_argument(shape + ": x_stride must be a multiple of 4 (16-byte loads)");
   if (a.weight == nullptr || (a.x == nullptr && a.gather.table == nullptr) || a.y == nullptr) {
     throw std::invalid_argument(shape + ": null pointer");
   }
@@ -334,12 +345,8 @@ KernelLaunch plan_gemv(const GemvArgs& a) {
   // The largest power of two <= batch (at most 8) whose x tile fits in shared memory, with
   // the kernel's static part (partial_ss: kWarps floats a vector).
   auto smem_bytes = [&](int t) { return sizeof(float) * t * (static_cast<size_t>(a.cols) + kWarps); };
-  int tile = 8;
+  int tile = 8;  // (a tile of one fits: gemv_cols_refusal)
   while (tile > 1 && (tile > a.batch || smem_bytes(tile) > kMaxSharedBytesPerBlock)) tile /= 2;
-  if (smem_bytes(tile) > kMaxSharedBytesPerBlock) {
-    throw std::invalid_argument(shape + ": one input row of " + std::to_string(a.cols) +
-                                " floats does not fit in shared memory");
-  }
   return a.type == WeightType::BF16 ? plan_typed<__nv_bfloat16>(a, tile) : plan_typed<float>(a, tile);
 }
 

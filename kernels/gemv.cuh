@@ -11,6 +11,8 @@
 //   step's first projection), which the kernel also writes, in fp32, to gather.rows_out.
 #pragma once
 
+#include <string>
+
 #include "kernels/embedding.cuh"  // WeightType
 #include "kernels/launch.cuh"
 
@@ -59,6 +61,11 @@ struct GemvArgs {
 // CUDA cores (1, 2 or 4), else 0. Read at every call (planning only), so an engine built
 // after the variable changed sees the change.
 int gemv_small_rows_per_warp_switch();
+
+// Why plan_gemv cannot take weight rows of `cols` columns at any batch, or empty. The
+// planner refuses by this same rule, and an engine checks a model's projections by it
+// before it uploads anything.
+std::string gemv_cols_refusal(int cols);
 
 // Picks the batch tile and rows per warp for `batch`, checks sizes and shared memory.
 KernelLaunch plan_gemv(const GemvArgs& args);

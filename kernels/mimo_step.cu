@@ -448,6 +448,15 @@ bool mimo_step_can_fuse_out_proj(const MimoStepArgs& a) {
   return rest + (size_t)a.d_model * pc * esize + 1024 <= kMaxSharedBytesPerBlock;
 }
 
+std::optional<MimoShapeRefusal> mimo_step_shape_refusal(int headdim, int d_state, int rank) {
+  // A warp holds a state row as float4s, at most two a lane (256 columns); the block's
+  // per-row tables are sized for heads of at most 64 rows; kernels exist for these ranks.
+  if (d_state % 4 != 0 || d_state > 256) return MimoShapeRefusal{"d_state", d_state, "must be a multiple of 4, at most 256"};
+  if (headdim > 64) return MimoShapeRefusal{"headdim", headdim, "must be at most 64"};
+  if (rank != 1 && rank != 2 && rank != 4 && rank != 8) return MimoShapeRefusal{"mimo_rank", rank, "must be 1, 2, 4 or 8"};
+  return std::nullopt;
+}
+
 KernelLaunch plan_mimo_step(const MimoStepArgs& a) {
   const std::string what = "mimo_step (H " + std::to_string(a.heads) + ", P " +
                            std::to_string(a.headdim) + ", N " + std::to_string(a.d_state) +
@@ -455,11 +464,10 @@ KernelLaunch plan_mimo_step(const MimoStepArgs& a) {
   if (a.heads <= 0 || a.headdim <= 0 || a.d_state <= 0 || a.batch <= 0) {
     throw std::invalid_argument(what + ": sizes must be positive");
   }
-  if (a.d_state % 4 != 0 || a.d_state > 256) {
-    throw std::invalid_argument(what + ": d_state must be a multiple of 4, at most 256");
+  if (const auto refusal = mimo_step_shape_refusal(a.headdim, a.d_state, a.rank)) {
+    throw std::invalid_argument(what + ": " + refusal->dimension + " " + refusal->rule);
   }
   if (2 * a.n_angles > a.d_state) throw std::invalid_argument(what + ": more angles than pairs");
-  if (a.headdim > 64) throw std::invalid_argument(what + ": headdim must be at most 64");
   if (a.out_proj != nullptr && !mimo_step_can_fuse_out_proj(a)) {
     throw std::invalid_argument(what + ": out_proj cannot be fused at batch " + std::to_string(a.batch));
   }
@@ -469,8 +477,7 @@ KernelLaunch plan_mimo_step(const MimoStepArgs& a) {
     case 1: return plan_nv<1>(a);
     case 2: return plan_nv<2>(a);
     case 4: return plan_nv<4>(a);
-    case 8: return plan_nv<8>(a);
-    default: throw std::invalid_argument(what + ": mimo rank must be 1, 2, 4 or 8");
+    default: return plan_nv<8>(a);  // (1, 2, 4 or 8: mimo_step_shape_refusal)
   }
 }
 

@@ -12,6 +12,8 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
+#include <string>
 
 #include "kernels/common.cuh"
 #include "kernels/embedding.cuh"  // WeightType
@@ -82,6 +84,17 @@ struct MimoStepArgs {
   // where the shape allows, else 4 (or M3_MIMO_TC_FUSED_CLUSTER).
   int fused_cluster = 0;
 };
+
+// A head shape the recurrence kernels cannot run: the dimension (its ssm_cfg key) and
+// the rule it breaks.
+struct MimoShapeRefusal {
+  std::string dimension;  // "d_state", "headdim" or "mimo_rank"
+  int value = 0;          // the dimension's value
+  std::string rule;       // e.g. "must be at most 64"
+};
+// The planner's limits on a head's shape (plan_mimo_step refuses by this same rule),
+// which an engine checks a model by before it uploads anything.
+std::optional<MimoShapeRefusal> mimo_step_shape_refusal(int headdim, int d_state, int rank);
 
 // Whether plan_mimo_step can fuse out_proj for these sizes (the block's out_proj columns
 // must fit in shared memory next to the rest), in the kernel args.tensor_cores picks.

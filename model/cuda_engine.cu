@@ -44,24 +44,24 @@ std::string slot_context(const char* fn, int slot) {
 }
 
 // What the kernels need of a model's shape, checked before anything is uploaded or
-// allocated and said in the config's terms (the planners would refuse later, naming
-// kernel arguments). The CPU engine runs any config that validates.
+// allocated and said in the config's terms, by the planners' own rules (a planner would
+// refuse later, naming kernel arguments). The CPU engine runs any config that validates.
 void check_config_supported(const ModelConfig& c) {
-  auto refuse = [](const std::string& what) {
-    throw std::invalid_argument("cuda engine: cannot run this model: " + what + " (the cpu backend can)");
+  auto refuse = [](const std::string& key, int value, const std::string& rule) {
+    throw std::invalid_argument("cuda engine: cannot run this model: " + key + " = " + std::to_string(value) + " " +
+                                rule + " (the cpu backend can)");
   };
-  const int row_limit = static_cast<int>(kernels::kMaxSharedBytesPerBlock / sizeof(float)) - 64;
-  if (c.d_model % 8 != 0)
-    refuse("d_model = " + std::to_string(c.d_model) + " must be a multiple of 8 (16-byte weight loads)");
-  if (c.d_inner() > row_limit || (c.has_mlp() && c.mlp_width() > row_limit))
-    refuse("a projection's input of " + std::to_string(std::max(c.d_inner(), c.mlp_width())) +
-           " floats must fit in shared memory (at most " + std::to_string(row_limit) + ")");
-  if (c.ssm.d_state % 4 != 0 || c.ssm.d_state > 256)
-    refuse("ssm_cfg.d_state = " + std::to_string(c.ssm.d_state) + " must be a multiple of 4, at most 256");
-  if (c.ssm.headdim > 64) refuse("ssm_cfg.headdim = " + std::to_string(c.ssm.headdim) + " must be at most 64");
-  const int R = c.ssm.mimo_rank;
-  if (R != 1 && R != 2 && R != 4 && R != 8)
-    refuse("ssm_cfg.mimo_rank = " + std::to_string(R) + " must be 1, 2, 4 or 8");
+  // Every projection's input: in_proj and lm_head read d_model, out_proj d_inner, the
+  // MLP's down projection its width.
+  auto check_projection_input = [&](const std::string& key, int cols) {
+    if (const std::string why = kernels::gemv_cols_refusal(cols); !why.empty()) refuse(key, cols, why);
+  };
+  check_projection_input("d_model", c.d_model);
+  check_projection_input("d_inner (ssm_cfg.expand * d_model)", c.d_inner());
+  if (c.has_mlp()) check_projection_input("the MLP width (d_intermediate rounded up to 128)", c.mlp_width());
+  if (const auto r = kernels::mimo_step_shape_refusal(c.ssm.headdim, c.ssm.d_state, c.ssm.mimo_rank)) {
+    refuse("ssm_cfg." + r->dimension, r->value, r->rule);
+  }
 }
 
 }  // namespace

@@ -120,6 +120,7 @@ class Engine {
 // backend: "cpu", "cuda", or "auto" (CUDA when built with it and a GPU is present).
 std::unique_ptr<Engine> make_engine(std::string_view backend, const ModelWeights& weights,
                                     const EngineOptions& options);
+bool cuda_backend_built();      // this build has the CUDA engine
 bool cuda_backend_available();  // built with CUDA and a device is visible
 
 }  // namespace m3

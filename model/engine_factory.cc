@@ -29,6 +29,14 @@ bool parse_weight_dtype(std::string_view name, WeightDType* out) {
   return true;
 }
 
+bool cuda_backend_built() {
+#if defined(M3_WITH_CUDA)
+  return true;
+#else
+  return false;
+#endif
+}
+
 bool cuda_backend_available() {
 #if defined(M3_WITH_CUDA)
   return cuda_device_count() > 0;

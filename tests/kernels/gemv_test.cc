@@ -355,7 +355,7 @@ TEST(GemvKernel, RejectsRowsPerWarpItHasNoKernelFor) {
 
 TEST(GemvKernel, RejectsColumnsThatBreakVectorLoads) {
   M3_REQUIRE_CUDA_DEVICE();
-  expect_plan_refused(12, "multiples of 8");
+  expect_plan_refused(12, "gemv 4x12 batch 1: cols must be a multiple of 8 (16-byte weight loads)");
 }
 
 // Batch-1 CUDA-core plans the other tests do not reach: rows wider than 1024 columns at
@@ -379,8 +379,18 @@ TEST(GemvKernel, TakesASmallerTileWhereStaticSharedMemoryTipsTheLimit) {
 
 TEST(GemvKernel, RefusesRowsTooWideForSharedMemory) {
   M3_REQUIRE_CUDA_DEVICE();
-  // 160 KB of fp32 input row: over the RTX 5090's 101,376-byte limit.
-  expect_plan_refused(40000, "shared memory");
+  // One fp32 input row and the 8 warps' partial sums in the RTX 5090's 101,376 bytes:
+  // 25,336 columns at most. The widest plans and its kernel launches within the limit; the
+  // next width the loads allow is refused by the rule engines check models by.
+  DeviceArray<float> row(25336), y(4);
+  kernels::GemvArgs a = small_problem(row.get(), 25336);
+  a.out_rows = 1;
+  a.y = y.get();
+  EXPECT_EQ(kernels::gemv_cols_refusal(25336), "");
+  EXPECT_NO_THROW(kernels::plan_gemv(a).launch(nullptr, false));
+  M3_CUDA_CHECK(cudaDeviceSynchronize());
+  EXPECT_EQ(kernels::gemv_cols_refusal(25344), "must be at most 25336 (one fp32 input row in shared memory)");
+  expect_plan_refused(25344, "gemv 4x25344 batch 1: cols must be at most 25336");
 }
 
 }  // namespace

@@ -404,7 +404,7 @@ TEST(MimoStepKernel, RejectsUnsupportedRank) {
   kernels::MimoStepArgs a;
   a.heads = 2; a.headdim = 16; a.d_state = 16; a.rank = 3; a.n_angles = 4; a.batch = 1;
   const std::string msg = test::error_of<std::invalid_argument>([&] { kernels::plan_mimo_step(a); });
-  EXPECT_NE(msg.find("mimo rank must be 1, 2, 4 or 8"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("mimo_rank must be 1, 2, 4 or 8"), std::string::npos) << msg;
 }
 
 }  // namespace
