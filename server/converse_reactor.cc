@@ -149,10 +149,15 @@ bool ConverseReactor::start_session() {
   params.stop_token_ids.assign(config_.stop_token_ids().begin(), config_.stop_token_ids().end());
   params.deadline = steady_deadline(call_->deadline());
   auto seq = std::make_shared<Sequence>(std::move(params), ctx_.stream_buffer_tokens, this);
+  bool cancelled = false;
   {
     std::lock_guard lock(seq_mu_);
     seq_ = seq;
+    cancelled = call_cancelled_;
   }
+  // A cancellation that came while the session was being made found no sequence to end:
+  // this one starts ended (the scheduler closes it at admission), not prefilling its input.
+  if (cancelled) request_cancel_for_call_end(*seq, *call_);
   Scheduler::Admission admission = ctx_.scheduler->submit(seq);
   if (admission.status == StreamStatus::kOk) return true;
   {
@@ -216,6 +221,7 @@ void ConverseReactor::OnCancel() {
   std::shared_ptr<Sequence> seq;
   {
     std::lock_guard lock(seq_mu_);
+    call_cancelled_ = true;
     seq = seq_;
   }
   if (!seq) return;  // the pending read fails and finishes the stream (OnDone records it)

@@ -65,6 +65,7 @@ class ConverseReactor final
 
   std::mutex seq_mu_;  // seq_ is set by the reader and read by OnCancel
   std::shared_ptr<Sequence> seq_;
+  bool call_cancelled_ = false;  // OnCancel ran (under seq_mu_: it may precede seq_)
   // How the stream was finished; OnDone records it (or the client's cancellation that
   // ended it "ok", see OnDone).
   StreamStatus final_status_ = StreamStatus::kOk;

@@ -1,5 +1,7 @@
 #include "server/generate_reactor.h"
 
+#include <algorithm>
+
 namespace m3 {
 
 GenerateReactor::GenerateReactor(ServiceContext& ctx, grpc::CallbackServerContext* call,
@@ -22,7 +24,9 @@ GenerateReactor::GenerateReactor(ServiceContext& ctx, grpc::CallbackServerContex
   params.stop_token_ids.assign(request->stop_token_ids().begin(), request->stop_token_ids().end());
   params.deadline = steady_deadline(call->deadline());
 
-  seq_ = std::make_shared<Sequence>(std::move(params), ctx.stream_buffer_tokens, this);
+  // It never holds more unread tokens than it may generate.
+  const size_t buffer = std::min<size_t>(ctx.stream_buffer_tokens, request->max_new_tokens());
+  seq_ = std::make_shared<Sequence>(std::move(params), buffer, this);
   seq_->add_input(prompt);
   seq_->end_turn(request->max_new_tokens());
   seq_->close_input();

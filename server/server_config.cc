@@ -207,12 +207,15 @@ void ServerConfig::validate() const {
   check_int("queue_capacity", queue_capacity, 0, 1'000'000);
   check_int("max_new_tokens_limit", max_new_tokens_limit, 1, 1 << 24);
   check_int("max_prompt_tokens", max_prompt_tokens, 1, 1 << 24);
-  check_int("stream_buffer_tokens", stream_buffer_tokens, 1, 1 << 24);
+  // (Every stream holds a ring of this many tokens, allocated when it starts.)
+  check_int("stream_buffer_tokens", stream_buffer_tokens, 1, 1 << 16);
   if (!std::isfinite(shutdown_grace_s) || shutdown_grace_s < 0 || shutdown_grace_s > 3600)
     throw std::invalid_argument("shutdown_grace_s must be between 0 and 3600 seconds, got " +
                                 std::to_string(shutdown_grace_s));
-  if (!std::isfinite(session_idle_timeout_s) || session_idle_timeout_s < 0 || session_idle_timeout_s > 86400)
-    throw std::invalid_argument("session_idle_timeout_s must be between 0 (never) and 86400 seconds, got " +
+  // (Below a millisecond a timeout would round to zero, which means never.)
+  if (!std::isfinite(session_idle_timeout_s) || session_idle_timeout_s < 0 || session_idle_timeout_s > 86400 ||
+      (session_idle_timeout_s > 0 && session_idle_timeout_s < 0.001))
+    throw std::invalid_argument("session_idle_timeout_s must be 0 (never) or between 0.001 and 86400 seconds, got " +
                                 std::to_string(session_idle_timeout_s));
   if (!model.empty() && !std::filesystem::is_directory(model))
     throw std::invalid_argument("model: '" + model + "' is not a directory");

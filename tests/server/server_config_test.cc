@@ -94,7 +94,9 @@ TEST(ServerConfigTest, OutOfRangeValuesAreRefused) {
   EXPECT_EQ(error_of([] { from_yaml("max_new_tokens_limit: 0\n"); }),
             "max_new_tokens_limit must be between 1 and 16777216, got 0");
   EXPECT_EQ(error_of([] { from_yaml("stream_buffer_tokens: 0\n"); }),
-            "stream_buffer_tokens must be between 1 and 16777216, got 0");
+            "stream_buffer_tokens must be between 1 and 65536, got 0");
+  EXPECT_EQ(error_of([] { from_yaml("stream_buffer_tokens: 65537\n"); }),
+            "stream_buffer_tokens must be between 1 and 65536, got 65537");
   EXPECT_EQ(error_of([] { from_yaml("backend: gpu\n"); }),
             "backend must be one of auto, cuda, cpu, got 'gpu'");
   EXPECT_EQ(error_of([] { from_yaml("weight_dtype: fp16\n"); }),
@@ -108,7 +110,9 @@ TEST(ServerConfigTest, OutOfRangeValuesAreRefused) {
   EXPECT_EQ(error_of([] { from_yaml("shutdown_grace_s: -1\n"); }),
             "shutdown_grace_s must be between 0 and 3600 seconds, got -1.000000");
   EXPECT_EQ(error_of([] { from_yaml("session_idle_timeout_s: -5\n"); }),
-            "session_idle_timeout_s must be between 0 (never) and 86400 seconds, got -5.000000");
+            "session_idle_timeout_s must be 0 (never) or between 0.001 and 86400 seconds, got -5.000000");
+  EXPECT_EQ(error_of([] { from_yaml("session_idle_timeout_s: 1e-10\n"); }),  // would round to "never"
+            "session_idle_timeout_s must be 0 (never) or between 0.001 and 86400 seconds, got 0.000000");
   EXPECT_EQ(from_yaml("session_idle_timeout_s: 0\n").session_idle_timeout_s, 0.0);  // never
   EXPECT_EQ(error_of([] { from_yaml("model: /nonexistent/model\n"); }),
             "model: '/nonexistent/model' is not a directory");
