@@ -5,9 +5,18 @@ namespace m3 {
 ConverseReactor::ConverseReactor(ServiceContext& ctx, grpc::CallbackServerContext* call)
     : ctx_(ctx), call_(call), start_(Clock::now()), writer_(ctx) {
   session_id_ = ctx.make_request_id("conv-");
-  if (!ctx.unstarted_sessions.add(this)) {  // shutdown began: no new session
-    complete(StreamStatus::kUnavailable, kShuttingDownMessage);
-    return;
+  switch (ctx.unstarted_sessions.add(this)) {
+    case UnstartedSessions::Added::kYes:
+      break;
+    case UnstartedSessions::Added::kShuttingDown:
+      complete(StreamStatus::kUnavailable, kShuttingDownMessage);
+      return;
+    case UnstartedSessions::Added::kFull:
+      complete(StreamStatus::kResourceExhausted,
+               "server at capacity: " + std::to_string(ctx.unstarted_sessions.limit()) +
+                   " Converse streams are open and have sent nothing yet (max_batch + queue_capacity); "
+                   "retry later");
+      return;
   }
   StartRead(&request_);
 }

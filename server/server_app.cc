@@ -5,6 +5,8 @@
 #include <grpcpp/health_check_service_interface.h>
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
+#include <sstream>
 #include <stdexcept>
 #include <thread>
 
@@ -75,7 +77,7 @@ ServerApp::ServerApp(const ServerConfig& config, std::shared_ptr<spdlog::logger>
   scheduler_options.on_engine_unusable = [this](const std::string&) { report_not_serving(); };
   scheduler_ = std::make_unique<Scheduler>(*engine_, scheduler_options, metrics_.get(), logger_);
 
-  context_ = std::make_unique<ServiceContext>();
+  context_ = std::make_unique<ServiceContext>(static_cast<size_t>(config_.max_batch + config_.queue_capacity));
   context_->scheduler = scheduler_.get();
   context_->metrics = metrics_.get();
   context_->log = request_log_.get();
@@ -117,6 +119,8 @@ ServerApp::ServerApp(const ServerConfig& config, std::shared_ptr<spdlog::logger>
   // got NOT_FOUND. SetServingStatus(bool) below and in shutdown covers every name set.
   server_->GetHealthCheckService()->SetServingStatus(v1::M3Serve::service_full_name(), true);
   server_->GetHealthCheckService()->SetServingStatus(true);
+  if (config_.session_idle_timeout_s > 0)
+    idle_unstarted_ender_ = std::thread([this] { end_idle_unstarted_sessions(); });
   logger_->info("serving m3serve.v1.M3Serve on {} (metrics: {})", address(),
                 config_.metrics_listen.empty()
                     ? std::string("off")
@@ -125,6 +129,26 @@ ServerApp::ServerApp(const ServerConfig& config, std::shared_ptr<spdlog::logger>
 }
 
 ServerApp::~ServerApp() { shutdown(std::chrono::seconds(0)); }
+
+void ServerApp::end_idle_unstarted_sessions() {
+  const auto timeout = std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+      std::chrono::duration<double>(config_.session_idle_timeout_s));
+  // Checked a few times a timeout (at most every second): a stream ends within a quarter
+  // of the timeout after it ran out.
+  const auto period = std::clamp<std::chrono::steady_clock::duration>(timeout / 4, std::chrono::milliseconds(1),
+                                                                      std::chrono::seconds(1));
+  std::ostringstream seconds;
+  seconds << config_.session_idle_timeout_s;
+  const std::string message = "no message within " + seconds.str() +
+                              " s of opening the stream (the server's session_idle_timeout_s); the stream was ended";
+  std::unique_lock lock(idle_mu_);
+  while (!idle_cv_.wait_for(lock, period, [this] { return idle_stop_; })) {
+    lock.unlock();
+    context_->unstarted_sessions.end_idle(std::chrono::steady_clock::now() - timeout,
+                                          StreamStatus::kDeadlineExceeded, message);
+    lock.lock();
+  }
+}
 
 void ServerApp::report_not_serving() {
   std::lock_guard lock(health_mu_);
@@ -146,6 +170,14 @@ void ServerApp::shutdown(std::chrono::duration<double> grace) {
     health_final_ = true;
   }
   scheduler_->stop_accepting();
+  if (idle_unstarted_ender_.joinable()) {
+    {
+      std::lock_guard lock(idle_mu_);
+      idle_stop_ = true;
+    }
+    idle_cv_.notify_all();
+    idle_unstarted_ender_.join();
+  }
   // Converse streams that have sent nothing are not the scheduler's: end them now, as
   // sessions are ended (they have nothing to finish, and a first message would be refused).
   if (const size_t unstarted = context_->unstarted_sessions.end_all(StreamStatus::kUnavailable,

@@ -4,10 +4,12 @@
 #pragma once
 
 #include <chrono>
+#include <condition_variable>
 #include <cstddef>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 
 #include "server/server_config.h"
 
@@ -52,6 +54,9 @@ class ServerApp {
   // Health NOT_SERVING for every name (the engine can run no more steps); on the engine
   // thread, so under health_mu_ against shutdown, after which server_ is not touched.
   void report_not_serving();
+  // Ends Converse streams that sent nothing for session_idle_timeout_s, as the scheduler
+  // ends idle sessions (its own thread: those streams are not the scheduler's).
+  void end_idle_unstarted_sessions();
 
   ServerConfig config_;
   std::shared_ptr<spdlog::logger> logger_;
@@ -69,6 +74,10 @@ class ServerApp {
   bool stopped_ = false;
   std::mutex health_mu_;
   bool health_final_ = false;  // shutdown set NOT_SERVING; nothing touches server_ after it
+  std::mutex idle_mu_;
+  std::condition_variable idle_cv_;
+  bool idle_stop_ = false;
+  std::thread idle_unstarted_ender_;
 };
 
 }  // namespace m3

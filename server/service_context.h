@@ -23,6 +23,8 @@ class StreamDetokenizer;
 class Tokenizer;
 
 struct ServiceContext {
+  explicit ServiceContext(size_t max_unstarted_sessions = 1024) : unstarted_sessions(max_unstarted_sessions) {}
+
   Scheduler* scheduler = nullptr;
   ServerMetrics* metrics = nullptr;  // may be null
   RequestLog* log = nullptr;

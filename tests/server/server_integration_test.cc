@@ -442,6 +442,48 @@ TEST(ServerTest, AnIdleConverseSessionEndsAndFreesTheSlot) {
   EXPECT_TRUE(next.status.ok()) << next.status.error_message();
 }
 
+// A Converse stream that never sends a message ends after the idle timeout as an idle
+// session does (it held a reactor and a buffer with no end but shutdown).
+TEST(ServerTest, AConverseStreamThatSendsNothingEndsAfterTheIdleTimeout) {
+  ServerConfig config = test_config();
+  config.session_idle_timeout_s = 0.5;
+  TestServer server(config);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + 20s);  // (the client's own: a different message)
+  auto stream = server.stub->Converse(&ctx);
+  v1::ConverseResponse response;
+  EXPECT_FALSE(stream->Read(&response));
+  const grpc::Status status = stream->Finish();
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
+  EXPECT_EQ(status.error_message(),
+            "no message within 0.5 s of opening the stream (the server's session_idle_timeout_s); the stream "
+            "was ended");
+  EXPECT_TRUE(wait_for_requests(*server.app, "deadline_exceeded", 1));
+  EXPECT_EQ(server.app->sessions_not_started(), 0u);
+}
+
+// Streams that have sent nothing are bounded by the server's capacity (max_batch +
+// queue_capacity); one that starts its session makes room.
+TEST(ServerTest, ConverseStreamsThatSentNothingAreBounded) {
+  TestServer server(one_slot_config());
+  grpc::ClientContext first_ctx;
+  auto first = server.stub->Converse(&first_ctx);
+  ASSERT_TRUE(eventually([&] { return server.app->sessions_not_started() == 1; }));
+  v1::ConverseRequest input, end;
+  for (int32_t id : kPrompt) input.mutable_input()->add_ids(id);
+  end.mutable_end_turn()->set_max_new_tokens(3);
+  const grpc::Status refused = converse_status(*server.stub, {input, end});
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_EQ(refused.error_message(),
+            "server at capacity: 1 Converse streams are open and have sent nothing yet (max_batch + "
+            "queue_capacity); retry later");
+  ASSERT_TRUE(first->Write(input) && first->Write(end));
+  EXPECT_EQ(read_reply(*first).tokens.size(), 3u);
+  first->WritesDone();
+  EXPECT_TRUE(first->Finish().ok());
+  EXPECT_TRUE(converse_status(*server.stub, {input, end}).ok());
+}
+
 TEST(ServerTest, OverCapacityIsResourceExhausted) {
   ServerConfig config = test_config();
   config.max_batch = 1;
