@@ -219,6 +219,7 @@ void ConverseReactor::flush() {
 }
 
 void ConverseReactor::OnWriteDone(bool ok) {
+  seq_->note_write_done();
   if (writer_.first_failure(ok)) {
     request_cancel_for_call_end(*seq_, *call_);
     ctx_.scheduler->wake();
@@ -238,7 +239,15 @@ void ConverseReactor::OnCancel() {
   ctx_.scheduler->wake();
 }
 
+void ConverseReactor::cancel_call() { call_->TryCancel(); }
+
 void ConverseReactor::OnDone() {
+  std::shared_ptr<Sequence> seq;
+  {
+    std::lock_guard lock(seq_mu_);
+    seq = seq_;
+  }
+  if (seq) seq->detach_writer();  // waits for a cut_stalled_stream() in progress
   // A client's cancellation ends its side of the stream too, and the failed read can reach
   // the session before OnCancel does: an idle session (or a stream with none) then ends
   // "ok". Only now, with the call done, is IsCancelled() certain; such an end is the

@@ -30,6 +30,7 @@ class ConverseReactor final
   ConverseReactor(ServiceContext& ctx, grpc::CallbackServerContext* call);
 
   void flush() override;
+  void cancel_call() override;
   void OnReadDone(bool ok) override;
   void OnWriteDone(bool ok) override;
   void OnCancel() override;

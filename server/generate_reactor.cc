@@ -76,6 +76,7 @@ void GenerateReactor::flush() {
 }
 
 void GenerateReactor::OnWriteDone(bool ok) {
+  seq_->note_write_done();
   if (writer_.first_failure(ok)) {
     request_cancel_for_call_end(*seq_, *call_);
     ctx_.scheduler->wake();
@@ -89,7 +90,10 @@ void GenerateReactor::OnCancel() {
   ctx_.scheduler->wake();
 }
 
+void GenerateReactor::cancel_call() { call_->TryCancel(); }
+
 void GenerateReactor::OnDone() {
+  if (seq_) seq_->detach_writer();  // waits for a cut_stalled_stream() in progress
   // A stream the engine finished can still be cancelled by its client (or its deadline)
   // while its last messages are on their way.
   const CallEnd end = recorded_end(*call_, final_status_, final_message_);

@@ -21,6 +21,7 @@ class GenerateReactor final : public grpc::ServerWriteReactor<v1::GenerateRespon
                   const v1::GenerateRequest* request);
 
   void flush() override;
+  void cancel_call() override;
   void OnWriteDone(bool ok) override;
   void OnCancel() override;
   void OnDone() override;

@@ -41,6 +41,7 @@
 
 #include "model/engine.h"
 #include "server/sequence.h"
+#include "server/stalled_streams.h"
 #include "server/stream_flusher.h"
 
 namespace spdlog {
@@ -62,6 +63,8 @@ struct SchedulerOptions {
   // more (Engine::failure()); the server then reports NOT_SERVING. From then on requests
   // are refused with UNAVAILABLE.
   std::function<void(const std::string& why)> on_engine_unusable;
+  // Where a stream closed while its writer was busy is handed over (may be null).
+  StalledStreams* stalled_streams = nullptr;
 };
 
 class Scheduler {

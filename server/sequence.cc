@@ -87,4 +87,21 @@ bool Sequence::input_closed_and_empty() {
   return input_closed_ && input_.empty();
 }
 
+void Sequence::detach_writer() {
+  std::lock_guard lock(writer_mu_);
+  writer_attached_ = false;
+}
+
+bool Sequence::writer_attached() {
+  std::lock_guard lock(writer_mu_);
+  return writer_attached_;
+}
+
+bool Sequence::cut_stalled_stream() {
+  std::lock_guard lock(writer_mu_);  // the writer's OnDone waits here to detach
+  if (!writer_attached_) return false;
+  writer_->cancel_call();
+  return true;
+}
+
 }  // namespace m3

@@ -26,6 +26,9 @@ class StreamWriter {
  public:
   virtual ~StreamWriter() = default;
   virtual void flush() = 0;
+  // Cancels the stream's call (any thread; only through Sequence::cut_stalled_stream,
+  // which knows the writer is still alive).
+  virtual void cancel_call() {}
 };
 
 struct SequenceParams {
@@ -87,6 +90,16 @@ class Sequence {
   // Written by the engine thread before the outbox closes; read by the stream after.
   SequenceSummary summary;
 
+  // A stream whose outbox closed while a write was in flight ends only when that write
+  // completes, which a client that reads nothing never lets happen. The writer counts its
+  // completed writes, and detaches when its call is done; cut_stalled_stream() cancels
+  // the call of a writer that is still attached (false: it was detached already).
+  void note_write_done() { writes_done_.fetch_add(1, std::memory_order_relaxed); }
+  uint64_t writes_done() const { return writes_done_.load(std::memory_order_relaxed); }
+  void detach_writer();
+  bool writer_attached();
+  bool cut_stalled_stream();
+
  private:
   SequenceParams params_;
   TokenOutbox outbox_;
@@ -98,6 +111,10 @@ class Sequence {
   size_t pending_tokens_ = 0;  // in input_, as pending_input_tokens() counts them
   bool input_closed_ = false;
   std::atomic<bool> input_changed_{false};
+
+  std::atomic<uint64_t> writes_done_{0};
+  std::mutex writer_mu_;
+  bool writer_attached_ = true;
 
   std::atomic<bool> cancel_requested_{false};
   std::mutex cancel_mu_;

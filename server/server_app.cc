@@ -19,6 +19,7 @@
 #include "server/request_log.h"
 #include "server/scheduler.h"
 #include "server/service_context.h"
+#include "server/stalled_streams.h"
 
 namespace m3 {
 namespace {
@@ -75,6 +76,8 @@ ServerApp::ServerApp(const ServerConfig& config, std::shared_ptr<spdlog::logger>
   scheduler_options.session_idle_timeout = std::chrono::duration_cast<Clock::duration>(
       std::chrono::duration<double>(config_.session_idle_timeout_s));
   scheduler_options.on_engine_unusable = [this](const std::string&) { report_not_serving(); };
+  stalled_streams_ = std::make_unique<StalledStreams>();
+  scheduler_options.stalled_streams = stalled_streams_.get();
   scheduler_ = std::make_unique<Scheduler>(*engine_, scheduler_options, metrics_.get(), logger_);
 
   context_ = std::make_unique<ServiceContext>(static_cast<size_t>(config_.max_batch + config_.queue_capacity));
@@ -119,8 +122,7 @@ ServerApp::ServerApp(const ServerConfig& config, std::shared_ptr<spdlog::logger>
   // got NOT_FOUND. SetServingStatus(bool) below and in shutdown covers every name set.
   server_->GetHealthCheckService()->SetServingStatus(v1::M3Serve::service_full_name(), true);
   server_->GetHealthCheckService()->SetServingStatus(true);
-  if (config_.session_idle_timeout_s > 0)
-    idle_unstarted_ender_ = std::thread([this] { end_idle_unstarted_sessions(); });
+  stream_sweeper_ = std::thread([this] { sweep_streams(); });
   logger_->info("serving m3serve.v1.M3Serve on {} (metrics: {})", address(),
                 config_.metrics_listen.empty()
                     ? std::string("off")
@@ -130,22 +132,28 @@ ServerApp::ServerApp(const ServerConfig& config, std::shared_ptr<spdlog::logger>
 
 ServerApp::~ServerApp() { shutdown(std::chrono::seconds(0)); }
 
-void ServerApp::end_idle_unstarted_sessions() {
-  const auto timeout = std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-      std::chrono::duration<double>(config_.session_idle_timeout_s));
-  // Checked a few times a timeout (at most every second): a stream ends within a quarter
-  // of the timeout after it ran out.
-  const auto period = std::clamp<std::chrono::steady_clock::duration>(timeout / 4, std::chrono::milliseconds(1),
-                                                                      std::chrono::seconds(1));
-  std::ostringstream seconds;
-  seconds << config_.session_idle_timeout_s;
-  const std::string message = "no message within " + seconds.str() +
-                              " s of opening the stream (the server's session_idle_timeout_s); the stream was ended";
-  std::unique_lock lock(idle_mu_);
-  while (!idle_cv_.wait_for(lock, period, [this] { return idle_stop_; })) {
+void ServerApp::sweep_streams() {
+  using Duration = std::chrono::steady_clock::duration;
+  const auto seconds = [](double s) { return std::chrono::duration_cast<Duration>(std::chrono::duration<double>(s)); };
+  const Duration idle = seconds(config_.session_idle_timeout_s);  // zero: never
+  const Duration stall = seconds(config_.stalled_stream_timeout_s);
+  // A stream is ended within about a quarter of its timeout after it ran out.
+  Duration period = stall / 4;
+  if (idle > Duration::zero()) period = std::min(period, idle / 4);
+  period = std::clamp<Duration>(period, std::chrono::milliseconds(1), std::chrono::seconds(1));
+  std::ostringstream idle_s;
+  idle_s << config_.session_idle_timeout_s;
+  const std::string idle_message = "no message within " + idle_s.str() +
+                                   " s of opening the stream (the server's session_idle_timeout_s); the stream was ended";
+  std::unique_lock lock(sweep_mu_);
+  while (!sweep_cv_.wait_for(lock, period, [this] { return sweep_stop_; })) {
     lock.unlock();
-    context_->unstarted_sessions.end_idle(std::chrono::steady_clock::now() - timeout,
-                                          StreamStatus::kDeadlineExceeded, message);
+    const auto now = std::chrono::steady_clock::now();
+    if (idle > Duration::zero())
+      context_->unstarted_sessions.end_idle(now - idle, StreamStatus::kDeadlineExceeded, idle_message);
+    if (const size_t cut = stalled_streams_->cut(now, stall); cut > 0)
+      logger_->warn("cancelled {} streams whose clients read nothing for {:.1f}s after the server ended them "
+                    "(stalled_stream_timeout_s)", cut, config_.stalled_stream_timeout_s);
     lock.lock();
   }
 }
@@ -170,14 +178,6 @@ void ServerApp::shutdown(std::chrono::duration<double> grace) {
     health_final_ = true;
   }
   scheduler_->stop_accepting();
-  if (idle_unstarted_ender_.joinable()) {
-    {
-      std::lock_guard lock(idle_mu_);
-      idle_stop_ = true;
-    }
-    idle_cv_.notify_all();
-    idle_unstarted_ender_.join();
-  }
   // Converse streams that have sent nothing are not the scheduler's: end them now, as
   // sessions are ended (they have nothing to finish, and a first message would be refused).
   if (const size_t unstarted = context_->unstarted_sessions.end_all(StreamStatus::kUnavailable,
@@ -201,6 +201,14 @@ void ServerApp::shutdown(std::chrono::duration<double> grace) {
   scheduler_->cancel_all();
   stop_listening.join();
   server_->Wait();
+  if (stream_sweeper_.joinable()) {  // (it cut stalled streams while gRPC waited for them)
+    {
+      std::lock_guard lock(sweep_mu_);
+      sweep_stop_ = true;
+    }
+    sweep_cv_.notify_all();
+    stream_sweeper_.join();
+  }
   logger_->info("server stopped");
 }
 

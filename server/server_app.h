@@ -27,6 +27,7 @@ class ModelWeights;
 class Tokenizer;
 class ServerMetrics;
 class Scheduler;
+class StalledStreams;
 class RequestLog;
 class M3ServeService;
 struct ServiceContext;
@@ -54,9 +55,10 @@ class ServerApp {
   // Health NOT_SERVING for every name (the engine can run no more steps); on the engine
   // thread, so under health_mu_ against shutdown, after which server_ is not touched.
   void report_not_serving();
-  // Ends Converse streams that sent nothing for session_idle_timeout_s, as the scheduler
-  // ends idle sessions (its own thread: those streams are not the scheduler's).
-  void end_idle_unstarted_sessions();
+  // Its own thread, a few times a second at most: ends Converse streams that sent nothing
+  // for session_idle_timeout_s (as the scheduler ends idle sessions; those streams are not
+  // the scheduler's) and cancels the calls of stalled streams (StalledStreams).
+  void sweep_streams();
 
   ServerConfig config_;
   std::shared_ptr<spdlog::logger> logger_;
@@ -66,6 +68,7 @@ class ServerApp {
   std::unique_ptr<Tokenizer> tokenizer_;
   std::unique_ptr<ServerMetrics> metrics_;
   std::unique_ptr<RequestLog> request_log_;
+  std::unique_ptr<StalledStreams> stalled_streams_;  // (outlives the scheduler, which fills it)
   std::unique_ptr<Scheduler> scheduler_;
   std::unique_ptr<ServiceContext> context_;
   std::unique_ptr<M3ServeService> service_;
@@ -74,10 +77,10 @@ class ServerApp {
   bool stopped_ = false;
   std::mutex health_mu_;
   bool health_final_ = false;  // shutdown set NOT_SERVING; nothing touches server_ after it
-  std::mutex idle_mu_;
-  std::condition_variable idle_cv_;
-  bool idle_stop_ = false;
-  std::thread idle_unstarted_ender_;
+  std::mutex sweep_mu_;
+  std::condition_variable sweep_cv_;
+  bool sweep_stop_ = false;
+  std::thread stream_sweeper_;
 };
 
 }  // namespace m3

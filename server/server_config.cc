@@ -58,6 +58,9 @@ const std::vector<Setting>& settings() {
       {"session_idle_timeout_s", &ServerConfig::session_idle_timeout_s,
        "seconds a Converse session may wait for its next input before it ends (DEADLINE_EXCEEDED) "
        "and frees its slot; 0: never"},
+      {"stalled_stream_timeout_s", &ServerConfig::stalled_stream_timeout_s,
+       "seconds a stream the server has ended may wait for its client to read what is in flight "
+       "before its call is cancelled"},
       {"log_level", &ServerConfig::log_level, "trace | debug | info | warn | error | off"},
   };
   return kSettings;
@@ -217,6 +220,9 @@ void ServerConfig::validate() const {
       (session_idle_timeout_s > 0 && session_idle_timeout_s < 0.001))
     throw std::invalid_argument("session_idle_timeout_s must be 0 (never) or between 0.001 and 86400 seconds, got " +
                                 std::to_string(session_idle_timeout_s));
+  if (!std::isfinite(stalled_stream_timeout_s) || stalled_stream_timeout_s < 0.001 || stalled_stream_timeout_s > 3600)
+    throw std::invalid_argument("stalled_stream_timeout_s must be between 0.001 and 3600 seconds, got " +
+                                std::to_string(stalled_stream_timeout_s));
   if (!model.empty() && !std::filesystem::is_directory(model))
     throw std::invalid_argument("model: '" + model + "' is not a directory");
   if (!tokenizer.empty() && !std::filesystem::is_regular_file(tokenizer))

@@ -28,6 +28,7 @@ struct ServerConfig {
   int stream_buffer_tokens = 1024;           // unread tokens per stream before it is cancelled
   double shutdown_grace_s = 10.0;            // in-flight streams get this long to finish
   double session_idle_timeout_s = 300.0;     // a Converse session waiting longer for input ends; 0 = never
+  double stalled_stream_timeout_s = 30.0;    // a finished stream its client reads nothing of is cut
   std::string log_level = "info";            // trace | debug | info | warn | error | off
 
   // Throws std::invalid_argument naming the setting when a value is out of range.

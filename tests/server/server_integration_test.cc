@@ -935,6 +935,34 @@ TEST(ServerTest, SlowReaderIsCancelledAndOthersGoOn) {
             static_cast<double>(got.size() + other.tokens.size()));
 }
 
+// A client that never reads again: once the server has ended its stream (here for
+// reading too slowly), the message in flight can never complete, so after
+// stalled_stream_timeout_s the call is cancelled and the stream is over for the server too
+// (recorded; before, it lived until the connection died).
+TEST(ServerTest, AStreamWhoseClientReadsNothingIsCutAfterTheStallTimeout) {
+  ServerConfig config = test_config();
+  config.stream_buffer_tokens = 64;
+  config.max_new_tokens_limit = 10'000'000;
+  config.stalled_stream_timeout_s = 0.5;
+  TestServer server(config);
+  grpc::ChannelArguments args;  // a receive window of about 1 KB: the writes stall
+  args.SetInt(GRPC_ARG_HTTP2_BDP_PROBE, 0);
+  args.SetInt("grpc.http2.lookahead_bytes", 1024);
+  auto stub = v1::M3Serve::NewStub(grpc::CreateCustomChannel(
+      "127.0.0.1:" + std::to_string(server.app->port()), grpc::InsecureChannelCredentials(), args));
+  grpc::ClientContext ctx;
+  auto reader = stub->Generate(&ctx, generate_request(kPrompt, 10'000'000));
+  ASSERT_TRUE(wait_for_requests(*server.app, "resource_exhausted", 1)) << "the stream was never cut";
+  v1::GenerateResponse response;
+  while (reader->Read(&response)) {
+  }
+  EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  const auto lines = server.sink->lines();
+  EXPECT_TRUE(std::any_of(lines.begin(), lines.end(), [](const std::string& line) {
+    return line.find("cancelled 1 streams whose clients read nothing for 0.5s") != std::string::npos;
+  }));
+}
+
 TEST(ServerTest, ConcurrentStreamsShareEngineSteps) {
   ServerConfig config = test_config();
   config.max_batch = 4;

@@ -1,0 +1,38 @@
+// Streams whose outbox was closed while a write was in flight: such a stream ends only
+// when that write completes, and a client that stops reading (its receive window full)
+// never lets it, so its reactor and buffers would live until the connection dies. The
+// scheduler hands each such stream over here when it closes it; a periodic sweep cancels
+// the call of any whose writer has completed no write for a while (the client sees
+// CANCELLED). A client that reads at last, within that time, still gets the stream's
+// status (RESOURCE_EXHAUSTED for a reader that fell behind).
+#pragma once
+
+#include <cstddef>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "server/sequence.h"
+
+namespace m3 {
+
+class StalledStreams {
+ public:
+  // Any thread (the scheduler's, as it closes a stream whose writer is busy).
+  void track(std::shared_ptr<Sequence> sequence, Clock::time_point now);
+  // Cancels the calls of tracked streams whose writer completed no write during the last
+  // `stall`, and forgets those whose call is done; returns how many it cancelled.
+  size_t cut(Clock::time_point now, Clock::duration stall);
+  size_t size() const;
+
+ private:
+  struct Closing {
+    std::shared_ptr<Sequence> sequence;
+    uint64_t writes_seen;
+    Clock::time_point progress;  // when writes_seen was last seen to change
+  };
+  mutable std::mutex mu_;
+  std::vector<Closing> closing_;
+};
+
+}  // namespace m3
