@@ -6,6 +6,7 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <sstream>
 #include <stdexcept>
 #include <thread>
@@ -112,6 +113,11 @@ ServerApp::ServerApp(const ServerConfig& config, std::shared_ptr<spdlog::logger>
   // gRPC binds with SO_REUSEPORT by default on Linux: a second server on the same port
   // would start without error and take half of the new connections.
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+  // A request of max_prompt_tokens ids (at most 5 bytes each) fits, whatever the setting
+  // (gRPC's default of 4 MiB holds about 800,000; a larger message is refused by gRPC
+  // with RESOURCE_EXHAUSTED before the service sees it).
+  const int64_t max_message = std::max<int64_t>(4 << 20, 5 * int64_t{config_.max_prompt_tokens} + (64 << 10));
+  builder.SetMaxReceiveMessageSize(static_cast<int>(std::min<int64_t>(max_message, INT32_MAX)));
   builder.AddListeningPort(config_.listen, grpc::InsecureServerCredentials(), &port_);
   builder.RegisterService(service_.get());
   server_ = builder.BuildAndStart();

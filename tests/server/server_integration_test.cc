@@ -743,6 +743,18 @@ TEST(ServerTest, MalformedRequestsAreInvalidArgumentAndTheServerKeepsServing) {
 }
 
 
+// The server takes a request as large as max_prompt_tokens allows, past gRPC's default
+// of 4 MiB: 2.5 million ids in 5 MB reach the service, which refuses them for what they
+// ask (no tokens to generate), not for their size.
+TEST(ServerTest, APromptOfMaxPromptTokensFitsInAMessage) {
+  ServerConfig config = test_config();
+  config.max_prompt_tokens = 3'000'000;
+  TestServer server(config);
+  GenerateResult r = generate(*server.stub, generate_request(std::vector<int32_t>(2'500'000, 300), 0), 30s);
+  EXPECT_EQ(r.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << r.status.error_message();
+  EXPECT_EQ(r.status.error_message(), "max_new_tokens must be at least 1");
+}
+
 // A refused request_id is not what the log line names: a newline in it would forge a
 // line, a huge one would write a huge line. The server's own id stands in for it.
 TEST(ServerTest, ARefusedRequestIdIsNotLogged) {
