@@ -542,17 +542,24 @@ TEST(ServerTest, AConverseCancelledMidReplyFreesTheSlot) {
   EXPECT_EQ(requests_with_status(*server.app, "cancelled"), 1);
 }
 
+// A stub whose channel has a receive window of about 1 KB: a client that reads nothing
+// stalls the server's writes once the window is full.
+std::unique_ptr<v1::M3Serve::Stub> small_window_stub(TestServer& server) {
+  grpc::ChannelArguments args;
+  args.SetInt(GRPC_ARG_HTTP2_BDP_PROBE, 0);
+  args.SetInt("grpc.http2.lookahead_bytes", 1024);
+  args.SetInt(GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH, 1 << 20);
+  return v1::M3Serve::NewStub(grpc::CreateCustomChannel("127.0.0.1:" + std::to_string(server.app->port()),
+                                                        grpc::InsecureChannelCredentials(), args));
+}
+
 // A client that stops reading, then cancels after the engine made its last token (the
 // tokens still waiting to be sent): it got CANCELLED, and that is what is recorded.
 TEST(ServerTest, AGenerateCancelledAfterItsLastTokenWasMadeCountsAsCancelled) {
   ServerConfig config = test_config();
   config.stream_buffer_tokens = 4000;
   TestServer server(config);
-  grpc::ChannelArguments args;  // a receive window of about 1 KB: the writes stall
-  args.SetInt(GRPC_ARG_HTTP2_BDP_PROBE, 0);
-  args.SetInt("grpc.http2.lookahead_bytes", 1024);
-  auto stub = v1::M3Serve::NewStub(grpc::CreateCustomChannel(
-      "127.0.0.1:" + std::to_string(server.app->port()), grpc::InsecureChannelCredentials(), args));
+  auto stub = small_window_stub(server);
   grpc::ClientContext ctx;
   auto reader = stub->Generate(&ctx, generate_request(kPrompt, 4000));
   bool made = false;  // (up to 30 s: a busy machine)
@@ -906,15 +913,7 @@ TEST(ServerTest, SlowReaderIsCancelledAndOthersGoOn) {
   config.stream_buffer_tokens = 64;
   config.max_new_tokens_limit = 10'000'000;
   TestServer server(config);
-  // A client with a small receive window that reads nothing: the server's writes stall
-  // once the window is full.
-  grpc::ChannelArguments args;
-  args.SetInt(GRPC_ARG_HTTP2_BDP_PROBE, 0);
-  args.SetInt("grpc.http2.lookahead_bytes", 1024);
-  args.SetInt(GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH, 1 << 20);
-  auto slow_channel = grpc::CreateCustomChannel("127.0.0.1:" + std::to_string(server.app->port()),
-                                                grpc::InsecureChannelCredentials(), args);
-  auto slow_stub = v1::M3Serve::NewStub(slow_channel);
+  auto slow_stub = small_window_stub(server);  // and its client reads nothing
   grpc::ClientContext slow_ctx;
   auto slow = slow_stub->Generate(&slow_ctx, generate_request(kPrompt, 10'000'000));
   // It reads nothing: once 64 tokens are unread the server lets go of its slot (the
@@ -960,11 +959,7 @@ TEST(ServerTest, AStreamWhoseClientReadsNothingIsCutAfterTheStallTimeout) {
   config.max_new_tokens_limit = 10'000'000;
   config.stalled_stream_timeout_s = 0.5;
   TestServer server(config);
-  grpc::ChannelArguments args;  // a receive window of about 1 KB: the writes stall
-  args.SetInt(GRPC_ARG_HTTP2_BDP_PROBE, 0);
-  args.SetInt("grpc.http2.lookahead_bytes", 1024);
-  auto stub = v1::M3Serve::NewStub(grpc::CreateCustomChannel(
-      "127.0.0.1:" + std::to_string(server.app->port()), grpc::InsecureChannelCredentials(), args));
+  auto stub = small_window_stub(server);
   grpc::ClientContext ctx;
   auto reader = stub->Generate(&ctx, generate_request(kPrompt, 10'000'000));
   ASSERT_TRUE(wait_for_requests(*server.app, "resource_exhausted", 1)) << "the stream was never cut";
