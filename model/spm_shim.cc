@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <cstring>
 #include <exception>
+#include <memory>
 #include <new>
 #include <string>
 #include <vector>
@@ -52,16 +53,18 @@ M3_SPM_EXPORT int m3_spm_abi_version(void) { return M3_SPM_ABI_VERSION; }
 
 M3_SPM_EXPORT m3_spm* m3_spm_load(const char* model_path, char* error, size_t error_capacity) {
   try {
-    auto* spm = new m3_spm;
+    auto spm = std::make_unique<m3_spm>();  // (freed if Load throws)
     const auto status = spm->processor.Load(model_path);
     if (!status.ok()) {
       write_error(error, error_capacity, status.ToString());
-      delete spm;
       return nullptr;
     }
-    return spm;
+    return spm.release();
   } catch (const std::exception& e) {
     write_error(error, error_capacity, e.what());
+    return nullptr;
+  } catch (...) {  // nothing may cross the C boundary
+    write_error(error, error_capacity, "unknown exception");
     return nullptr;
   }
 }
@@ -89,6 +92,9 @@ M3_SPM_EXPORT int64_t m3_spm_encode(const m3_spm* spm, const char* text, size_t 
   } catch (const std::exception& e) {
     write_error(error, error_capacity, e.what());
     return -1;
+  } catch (...) {
+    write_error(error, error_capacity, "unknown exception");
+    return -1;
   }
 }
 
@@ -109,6 +115,9 @@ M3_SPM_EXPORT int64_t m3_spm_decode(const m3_spm* spm, const int32_t* ids, size_
     return copy_out(decoded, text, capacity);
   } catch (const std::exception& e) {
     write_error(error, error_capacity, e.what());
+    return -1;
+  } catch (...) {
+    write_error(error, error_capacity, "unknown exception");
     return -1;
   }
 }
@@ -148,6 +157,9 @@ M3_SPM_EXPORT int64_t m3_spm_id_surface(const m3_spm* spm, int32_t id, char* byt
     return copy_out(surface, bytes, capacity);
   } catch (const std::exception& e) {
     write_error(error, error_capacity, e.what());
+    return -1;
+  } catch (...) {
+    write_error(error, error_capacity, "unknown exception");
     return -1;
   }
 }

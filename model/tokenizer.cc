@@ -81,11 +81,13 @@ std::filesystem::path executable_dir() {
 
 namespace {
 
-// Where default_shim_path() looks, in order.
+// Where default_shim_path() looks, in order. An operator's M3_SPM_SHIM is the only
+// candidate: a wrong path must fail naming it, not quietly load another shim.
 std::vector<std::filesystem::path> default_shim_candidates() {
   std::vector<std::filesystem::path> candidates;
   if (const char* env = std::getenv(kShimEnvironmentVariable); env != nullptr && *env != '\0') {
     candidates.emplace_back(env);
+    return candidates;
   }
   const auto dir = executable_dir();
   candidates.push_back(dir / kShimFileName);
@@ -110,6 +112,10 @@ std::unique_ptr<Tokenizer> Tokenizer::load(const std::filesystem::path& model_pa
                              " not found or not a file");
   }
   if (shim_path.empty() && !std::filesystem::exists(default_shim_path())) {
+    if (const char* env = std::getenv(kShimEnvironmentVariable); env != nullptr && *env != '\0') {
+      throw std::runtime_error(std::string("tokenizer: SentencePiece shim ") + env + " (from " +
+                               kShimEnvironmentVariable + ") not found");
+    }
     std::string looked;
     for (const auto& candidate : default_shim_candidates()) {
       looked += (looked.empty() ? "" : ", ") + candidate.string();

@@ -3,8 +3,8 @@
 //
 // SentencePiece is reached through libm3_spm.so (model/spm_shim.h), loaded with
 // dlopen(RTLD_NOW | RTLD_LOCAL | RTLD_DEEPBIND) so its private protobuf never meets
-// gRPC's. Nothing here links SentencePiece or protobuf. Not for AddressSanitizer builds
-// (ASan refuses RTLD_DEEPBIND).
+// gRPC's. Nothing here links SentencePiece or protobuf. Not for sanitizer builds (the
+// Address and Thread sanitizers' runtimes refuse RTLD_DEEPBIND).
 #pragma once
 
 #include <cstdint>
@@ -28,9 +28,9 @@ class Tokenizer {
   static std::unique_ptr<Tokenizer> load(const std::filesystem::path& model_path,
                                          const std::filesystem::path& shim_path = {});
 
-  // The first that exists of: $M3_SPM_SHIM, libm3_spm.so beside the running executable,
-  // ../lib/libm3_spm.so from it (an install tree). None: the first of them, and load()
-  // names every place it looked.
+  // $M3_SPM_SHIM when set (only it: a wrong path fails naming it); else the first that
+  // exists of libm3_spm.so beside the running executable and ../lib/libm3_spm.so from it
+  // (an install tree). None: the first of them, and load() names every place it looked.
   static std::filesystem::path default_shim_path();
 
   ~Tokenizer();

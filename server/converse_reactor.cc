@@ -63,6 +63,10 @@ ConverseReactor::Handled ConverseReactor::handle(const v1::ConverseRequest& r) {
              "FILE); send input token ids instead");
         return Handled::kStop;
       }
+      if (auto e = check_text_size(r.input_text(), "input_text", ctx_.limits.max_prompt_tokens); !e.empty()) {
+        fail(e);
+        return Handled::kStop;
+      }
       std::vector<int32_t> ids;
       try {
         ids = ctx_.tokenizer->encode(r.input_text());

@@ -78,6 +78,14 @@ std::string check_request_id(const std::string& id, const char* field) {
   return "";
 }
 
+std::string check_text_size(const std::string& text, const char* field, int max_tokens) {
+  const size_t limit = kMaxTextBytesPerToken * static_cast<size_t>(max_tokens);
+  if (text.size() <= limit) return "";
+  return std::string(field) + " is " + std::to_string(text.size()) + " bytes, more than " +
+         std::to_string(kMaxTextBytesPerToken) + " for each of the " + std::to_string(max_tokens) +
+         " tokens this server takes (max_prompt_tokens): at most " + std::to_string(limit);
+}
+
 std::string check_generate_request(const v1::GenerateRequest& r, const RequestLimits& limits) {
   if (auto e = check_request_id(r.request_id(), "request_id"); !e.empty()) return e;
   switch (r.prompt_case()) {
@@ -101,6 +109,7 @@ std::string check_generate_request(const v1::GenerateRequest& r, const RequestLi
         return "prompt_text needs a tokenizer and this server has none (start it with "
                "--tokenizer FILE); send prompt_ids instead";
       if (r.prompt_text().empty()) return "prompt_text is empty: a prompt needs at least one token";
+      if (auto e = check_text_size(r.prompt_text(), "prompt_text", limits.max_prompt_tokens); !e.empty()) return e;
       break;
   }
   if (auto e = check_max_new_tokens(r.max_new_tokens(), "max_new_tokens", limits.max_new_tokens_limit);

@@ -2,6 +2,9 @@
 // process): text prompts are the same as their ids, replies stream their text too.
 #include <gtest/gtest.h>
 
+#include <cstdlib>
+#include <filesystem>
+
 #include "model/tokenizer.h"
 #include "server/outbox_writer.h"
 #include "server/sequence.h"
@@ -9,6 +12,8 @@
 
 namespace m3::test {
 namespace {
+
+using namespace std::chrono_literals;
 
 ServerConfig text_config() {
   ServerConfig c = test_config();
@@ -70,6 +75,55 @@ TEST(ServerTextTest, ConverseTextInputEqualsItsIds) {
     for (int32_t id : response.tokens().ids()) got.push_back(id);
   ASSERT_TRUE(stream->Finish().ok());
   EXPECT_EQ(got, engine_generate(tokenizer->encode(turn), 10));
+}
+
+// Text longer than 16 bytes a token of max_prompt_tokens is refused before it is
+// tokenized (SentencePiece takes memory and time by the byte), and the server goes on.
+TEST(ServerTextTest, TextTooLongForTheTokenLimitIsRefusedBeforeEncoding) {
+  ServerConfig config = text_config();
+  config.max_prompt_tokens = 8;
+  TestServer server(config);
+  const std::string text(129, 'a');
+  const std::string why = " is 129 bytes, more than 16 for each of the 8 tokens this server takes "
+                          "(max_prompt_tokens): at most 128";
+  v1::GenerateRequest request;
+  request.set_prompt_text(text);
+  request.set_max_new_tokens(4);
+  GenerateResult refused = generate(*server.stub, request, 5s);
+  EXPECT_EQ(refused.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(refused.status.error_message(), "prompt_text" + why);
+
+  grpc::ClientContext ctx;
+  auto stream = server.stub->Converse(&ctx);
+  v1::ConverseRequest input;
+  input.set_input_text(text);
+  ASSERT_TRUE(stream->Write(input));
+  v1::ConverseResponse response;
+  EXPECT_FALSE(stream->Read(&response));
+  const grpc::Status status = stream->Finish();
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(status.error_message(), "input_text" + why);
+
+  request.set_prompt_text("hello");
+  EXPECT_TRUE(generate(*server.stub, request, 5s).status.ok());
+}
+
+// Beside this executable lies a shim (as beside m3serve); an operator's M3_SPM_SHIM still
+// wins, and a wrong one fails naming it rather than quietly loading the other.
+TEST(ServerTextTest, TheShimEnvironmentVariableIsTheOnlyPlaceLookedAtWhenSet) {
+  const auto beside = std::filesystem::read_symlink("/proc/self/exe").parent_path() / "libm3_spm.so";
+  ASSERT_TRUE(std::filesystem::exists(beside));
+  ::setenv("M3_SPM_SHIM", "/nonexistent/libm3_spm.so", 1);
+  EXPECT_EQ(Tokenizer::default_shim_path(), "/nonexistent/libm3_spm.so");
+  std::string error;
+  try {
+    Tokenizer::load(M3_TEST_SPM_MODEL);
+  } catch (const std::runtime_error& e) {
+    error = e.what();
+  }
+  ::unsetenv("M3_SPM_SHIM");
+  EXPECT_EQ(error, "tokenizer: SentencePiece shim /nonexistent/libm3_spm.so (from M3_SPM_SHIM) not found");
+  EXPECT_EQ(Tokenizer::default_shim_path(), beside);
 }
 
 struct NoFlush : StreamWriter {
