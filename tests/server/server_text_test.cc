@@ -47,6 +47,7 @@ TEST(ServerTextTest, TextPromptEqualsItsIdsAndRepliesCarryText) {
   StreamDetokenizer detokenizer(*tokenizer);
   std::string expected;
   for (int32_t id : got) detokenizer.append(id, &expected);
+  detokenizer.finish(&expected);  // as the server does at the reply's end
   EXPECT_EQ(text, expected);
 
   grpc::ClientContext info_ctx;

@@ -20,10 +20,14 @@ ServerConfig text_config() {
   return config;
 }
 
+// What the server streams for a reply of `ids`: the detokenizer's text (checked on its
+// own in tokenizer_test), with what it holds at the reply's end flushed as the server
+// flushes it.
 std::string expected_text(const Tokenizer& tokenizer, const std::vector<int32_t>& ids) {
   StreamDetokenizer stream(tokenizer);
   std::string text;
   for (int32_t id : ids) stream.append(id, &text);
+  stream.finish(&text);
   return text;
 }
 
