@@ -52,6 +52,10 @@ class Flags {
 std::vector<int32_t> parse_id_list(std::string_view text);
 // True when `text` holds only digits, commas, spaces and minus signs, and a digit.
 bool looks_like_id_list(std::string_view text);
+// Whether `text` is well-formed UTF-8 (no overlong forms, surrogates or code points past
+// U+10FFFF), which protobuf requires of string fields: a request with text that is not
+// never reaches the server's service.
+bool valid_utf8(std::string_view text);
 
 // An insecure channel to `address`, connected within `wait`; otherwise throws
 // std::runtime_error "cannot reach the server at <address> (...)".

@@ -28,8 +28,12 @@ commands:
       [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P] [--seed S]
       [--stop 7,8] [--request-id ID] [--print auto|ids|text]
   converse [same sampling options] [--session-id ID] [--print auto|ids|text]
-      each stdin line is one turn (token ids like "1,2,3", or text); the reply streams back
+      [--input auto|ids|text]
+      each stdin line is one turn; the reply streams back
+  --input: what a line is; auto: token ids when it is only numbers ("1,2,3", "4 5"),
+      else text (--input text sends "2024" as text)
   --print: the reply as text or ids; auto: text for text input, ids for ids
+  text must be valid UTF-8 (a line that is not is not sent)
   info                                   the served model
   health [--service NAME]                grpc.health.v1 Check; exit 0 only when SERVING
 
@@ -171,6 +175,7 @@ int run_generate(const Flags& flags) {
     for (int32_t id : m3::client::parse_id_list(*ids)) request.mutable_prompt_ids()->add_ids(id);
   } else {
     request.set_prompt_text(flags.get("text", ""));
+    if (!m3::client::valid_utf8(request.prompt_text())) throw UsageError("--text is not valid UTF-8");
   }
   request.set_max_new_tokens(static_cast<uint32_t>(flags.get_int("max-new-tokens", 64, 1, UINT32_MAX)));
   request.set_request_id(flags.get("request-id", ""));
@@ -219,6 +224,9 @@ int run_converse(const Flags& flags) {
   fill_sampling(flags, session->mutable_sampling());
   add_stop_ids(flags, session->mutable_stop_token_ids());
   const PrintMode mode = print_mode(flags);
+  const std::string input_mode = flags.get("input", "auto");
+  if (input_mode != "auto" && input_mode != "ids" && input_mode != "text")
+    throw UsageError("--input: '" + input_mode + "' is not auto, ids or text");
   const CallSettings call = call_settings(flags, std::nullopt);
 
   auto stub = m3serve::v1::M3Serve::NewStub(connect(call));
@@ -236,15 +244,25 @@ int run_converse(const Flags& flags) {
     if (!line.empty() && line.back() == '\r') line.pop_back();
 
     m3serve::v1::ConverseRequest input;
-    bool as_ids = m3::client::looks_like_id_list(line);
+    bool as_ids = input_mode == "ids" || (input_mode == "auto" && m3::client::looks_like_id_list(line));
     if (as_ids) {
       try {
         for (int32_t id : m3::client::parse_id_list(line)) input.mutable_input()->add_ids(id);
-      } catch (const UsageError&) {
+      } catch (const UsageError& e) {
+        if (input_mode == "ids") {  // not sent; the session goes on
+          std::fprintf(stderr, "m3cli: not sent: %s\n", e.what());
+          continue;
+        }
         as_ids = false;  // e.g. "-" between words: it is text
       }
     }
-    if (!as_ids) input.set_input_text(line);
+    if (!as_ids) {
+      if (!m3::client::valid_utf8(line)) {
+        std::fprintf(stderr, "m3cli: not sent: the line is not valid UTF-8\n");
+        continue;
+      }
+      input.set_input_text(line);
+    }
     TokenPrinter printer(mode, !as_ids);
     m3serve::v1::ConverseRequest end_turn;
     end_turn.mutable_end_turn();
@@ -392,7 +410,7 @@ int main(int argc, char** argv) {
     }
     if (command == "converse") {
       return run_converse(
-          command_flags(args, options({"session-id", "print"}, kSamplingOptions), {}));
+          command_flags(args, options({"session-id", "print", "input"}, kSamplingOptions), {}));
     }
     if (command == "info") return run_info(command_flags(args, options({}), {}));
     if (command == "health") return run_health(command_flags(args, options({"service"}), {}));

@@ -238,6 +238,43 @@ TEST(M3cli, ConverseReportsAServerThatEndsTheSession) {
       << run.err;
 }
 
+// --input says what a line is: "2024" as text reaches the server as input_text (which
+// the scripted server refuses: it has no tokenizer); with --input ids a line that is not
+// ids is not sent and the session goes on. Text that is not UTF-8 is never sent (protobuf
+// would drop the message and the server take the stream as closed).
+TEST(M3cli, ConverseInputModeAndUtf8) {
+  ScriptedServer server;
+  CliRun run = m3cli("--server " + server.address() + " converse --input text", "2024\n");
+  EXPECT_EQ(run.exit_code, 1);
+  EXPECT_TRUE(contains(run.err, "input_text needs a tokenizer")) << run.err;
+  run = m3cli("--server " + server.address() + " converse --input ids --max-new-tokens 2", "hello\n1,2\n");
+  EXPECT_EQ(run.exit_code, 0) << run.err;
+  EXPECT_EQ(run.out, "2 2\n");
+  EXPECT_TRUE(contains(run.err, "m3cli: not sent: ")) << run.err;
+  run = m3cli("--server " + server.address() + " converse --max-new-tokens 2", "caf\xe9\n1,2,3\n");
+  EXPECT_EQ(run.exit_code, 0) << run.err;
+  EXPECT_EQ(run.out, "3 3\n");
+  EXPECT_TRUE(contains(run.err, "m3cli: not sent: the line is not valid UTF-8")) << run.err;
+  run = m3cli("--server " + server.address() + " generate --text \"$(printf 'caf\\351')\"");
+  EXPECT_EQ(run.exit_code, 2) << run.err;
+  EXPECT_TRUE(contains(run.err, "--text is not valid UTF-8")) << run.err;
+  run = m3cli("--server " + server.address() + " converse --input words");
+  EXPECT_EQ(run.exit_code, 2) << run.err;
+  EXPECT_TRUE(contains(run.err, "--input: 'words' is not auto, ids or text")) << run.err;
+}
+
+TEST(ClientSupport, Utf8IsCheckedStrictly) {
+  for (const std::string good : {std::string(""), std::string("plain"), std::string("caf\xc3\xa9"),
+                                 std::string("\xf0\x9f\x99\x82"), std::string("\xf4\x8f\xbf\xbf")}) {
+    EXPECT_TRUE(client::valid_utf8(good)) << good;
+  }
+  for (const std::string bad : {std::string("caf\xe9"), std::string("\xc0\xaf"), std::string("\xed\xa0\x80"),
+                                std::string("\xf4\x90\x80\x80"), std::string("\xe2\x82"), std::string("\x80"),
+                                std::string("\xf8\x88\x80\x80\x80")}) {
+    EXPECT_FALSE(client::valid_utf8(bad)) << bad;
+  }
+}
+
 TEST(M3cli, InfoPrintsTheModel) {
   ScriptedServer server;
   const CliRun run = m3cli("--server " + server.address() + " info");
