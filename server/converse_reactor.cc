@@ -256,7 +256,7 @@ void ConverseReactor::OnDone() {
   // the session before OnCancel does: an idle session (or a stream with none) then ends
   // "ok". Only now, with the call done, is IsCancelled() certain; such an end is the
   // cancellation it was.
-  const CallEnd end = recorded_end(*call_, final_status_, final_message_);
+  const CallEnd end = recorded_end(*call_, seq.get(), final_status_, final_message_);
   record(end.status, end.message);
   delete this;
 }

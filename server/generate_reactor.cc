@@ -96,7 +96,7 @@ void GenerateReactor::OnDone() {
   if (seq_) seq_->detach_writer();  // waits for a cut_stalled_stream() in progress
   // A stream the engine finished can still be cancelled by its client (or its deadline)
   // while its last messages are on their way.
-  const CallEnd end = recorded_end(*call_, final_status_, final_message_);
+  const CallEnd end = recorded_end(*call_, seq_.get(), final_status_, final_message_);
   record(end.status, end.message);
   delete this;
 }

@@ -64,9 +64,15 @@ CallEnd call_end_reason(const grpc::CallbackServerContext& call) {
   return {StreamStatus::kCancelled, "cancelled by the client"};
 }
 
-CallEnd recorded_end(const grpc::CallbackServerContext& call, StreamStatus finished_with,
+CallEnd recorded_end(const grpc::CallbackServerContext& call, Sequence* seq, StreamStatus finished_with,
                      const std::string& message) {
-  if (finished_with == StreamStatus::kOk && call.IsCancelled()) return call_end_reason(call);
+  if (finished_with != StreamStatus::kOk) return {finished_with, message};
+  if (seq != nullptr && seq->was_cut()) {
+    return {StreamStatus::kCancelled,
+            "cancelled by the server: the client read nothing of the stream's last messages for "
+            "stalled_stream_timeout_s"};
+  }
+  if (call.IsCancelled()) return call_end_reason(call);
   return {finished_with, message};
 }
 

@@ -100,8 +100,14 @@ bool Sequence::writer_attached() {
 bool Sequence::cut_stalled_stream() {
   std::lock_guard lock(writer_mu_);  // the writer's OnDone waits here to detach
   if (!writer_attached_) return false;
+  cut_ = true;
   writer_->cancel_call();
   return true;
+}
+
+bool Sequence::was_cut() {
+  std::lock_guard lock(writer_mu_);
+  return cut_;
 }
 
 }  // namespace m3

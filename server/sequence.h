@@ -99,6 +99,7 @@ class Sequence {
   void detach_writer();
   bool writer_attached();
   bool cut_stalled_stream();
+  bool was_cut();  // cut_stalled_stream() cancelled the call
 
  private:
   SequenceParams params_;
@@ -115,6 +116,7 @@ class Sequence {
   std::atomic<uint64_t> writes_done_{0};
   std::mutex writer_mu_;
   bool writer_attached_ = true;
+  bool cut_ = false;
 
   std::atomic<bool> cancel_requested_{false};
   std::mutex cancel_mu_;

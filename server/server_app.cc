@@ -18,6 +18,7 @@
 #include "server/m3serve_service.h"
 #include "server/metrics.h"
 #include "server/request_log.h"
+#include "server/request_validation.h"
 #include "server/scheduler.h"
 #include "server/service_context.h"
 #include "server/stalled_streams.h"
@@ -113,10 +114,12 @@ ServerApp::ServerApp(const ServerConfig& config, std::shared_ptr<spdlog::logger>
   // gRPC binds with SO_REUSEPORT by default on Linux: a second server on the same port
   // would start without error and take half of the new connections.
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
-  // A request of max_prompt_tokens ids (at most 5 bytes each) fits, whatever the setting
-  // (gRPC's default of 4 MiB holds about 800,000; a larger message is refused by gRPC
-  // with RESOURCE_EXHAUSTED before the service sees it).
-  const int64_t max_message = std::max<int64_t>(4 << 20, 5 * int64_t{config_.max_prompt_tokens} + (64 << 10));
+  // A request of max_prompt_tokens ids (at most 5 bytes each) or of the text the server
+  // takes for them (kMaxTextBytesPerToken each) fits, whatever the setting (gRPC's default
+  // of 4 MiB holds about 800,000 ids; a larger message is refused by gRPC with
+  // RESOURCE_EXHAUSTED before the service sees it).
+  const int64_t per_token = std::max<int64_t>(5, kMaxTextBytesPerToken);
+  const int64_t max_message = std::max<int64_t>(4 << 20, per_token * config_.max_prompt_tokens + (64 << 10));
   builder.SetMaxReceiveMessageSize(static_cast<int>(std::min<int64_t>(max_message, INT32_MAX)));
   builder.AddListeningPort(config_.listen, grpc::InsecureServerCredentials(), &port_);
   builder.RegisterService(service_.get());
@@ -128,12 +131,13 @@ ServerApp::ServerApp(const ServerConfig& config, std::shared_ptr<spdlog::logger>
   // got NOT_FOUND. SetServingStatus(bool) below and in shutdown covers every name set.
   server_->GetHealthCheckService()->SetServingStatus(v1::M3Serve::service_full_name(), true);
   server_->GetHealthCheckService()->SetServingStatus(true);
-  stream_sweeper_ = std::thread([this] { sweep_streams(); });
   logger_->info("serving m3serve.v1.M3Serve on {} (metrics: {})", address(),
                 config_.metrics_listen.empty()
                     ? std::string("off")
                     : "http://" + config_.metrics_listen.substr(0, config_.metrics_listen.rfind(':')) +
                           ":" + std::to_string(metrics_->exposer_port()) + "/metrics");
+  // Last: nothing after it may throw (a joinable thread's destructor would terminate).
+  stream_sweeper_ = std::thread([this] { sweep_streams(); });
 }
 
 ServerApp::~ServerApp() { shutdown(std::chrono::seconds(0)); }

@@ -52,12 +52,12 @@ const std::vector<Setting>& settings() {
       {"max_prompt_tokens", &ServerConfig::max_prompt_tokens,
        "longest prompt (and pending Converse input) in tokens"},
       {"stream_buffer_tokens", &ServerConfig::stream_buffer_tokens,
-       "tokens a stream may hold unread before it is cancelled (slow reader)"},
+       "tokens a stream may hold unread before it is cancelled (slow reader); at most 65536"},
       {"shutdown_grace_s", &ServerConfig::shutdown_grace_s,
        "seconds in-flight streams get to finish on SIGTERM/SIGINT"},
       {"session_idle_timeout_s", &ServerConfig::session_idle_timeout_s,
        "seconds a Converse session may wait for its next input before it ends (DEADLINE_EXCEEDED) "
-       "and frees its slot; 0: never"},
+       "and frees its slot, and a Converse stream for its first message; 0: never"},
       {"stalled_stream_timeout_s", &ServerConfig::stalled_stream_timeout_s,
        "seconds a stream the server has ended may wait for its client to read what is in flight "
        "before its call is cancelled"},
@@ -220,8 +220,9 @@ void ServerConfig::validate() const {
       (session_idle_timeout_s > 0 && session_idle_timeout_s < 0.001))
     throw std::invalid_argument("session_idle_timeout_s must be 0 (never) or between 0.001 and 86400 seconds, got " +
                                 std::to_string(session_idle_timeout_s));
-  if (!std::isfinite(stalled_stream_timeout_s) || stalled_stream_timeout_s < 0.001 || stalled_stream_timeout_s > 3600)
-    throw std::invalid_argument("stalled_stream_timeout_s must be between 0.001 and 3600 seconds, got " +
+  // (Shorter would cut clients that merely pause between reads.)
+  if (!std::isfinite(stalled_stream_timeout_s) || stalled_stream_timeout_s < 0.1 || stalled_stream_timeout_s > 3600)
+    throw std::invalid_argument("stalled_stream_timeout_s must be between 0.1 and 3600 seconds, got " +
                                 std::to_string(stalled_stream_timeout_s));
   if (!model.empty() && !std::filesystem::is_directory(model))
     throw std::invalid_argument("model: '" + model + "' is not a directory");

@@ -55,9 +55,10 @@ struct CallEnd {
 };
 CallEnd call_end_reason(const grpc::CallbackServerContext& call);
 // How a finished call is recorded (from OnDone, when IsCancelled() is certain): as it was
-// finished, unless it was finished ok and the client's cancellation (or deadline) ended
-// the call first; the client then got that, not what was sent.
-CallEnd recorded_end(const grpc::CallbackServerContext& call, StreamStatus finished_with,
+// finished, unless it was finished ok and its call was cancelled first, by the client (or
+// its deadline), or by the server because the client read nothing (`seq` was cut:
+// StalledStreams); the client then got CANCELLED, not what was sent.
+CallEnd recorded_end(const grpc::CallbackServerContext& call, Sequence* seq, StreamStatus finished_with,
                      const std::string& message);
 // Ends the sequence at the next token boundary with call_end_reason(call).
 void request_cancel_for_call_end(Sequence& seq, const grpc::CallbackServerContext& call);

@@ -7,6 +7,7 @@
 // status (RESOURCE_EXHAUSTED for a reader that fell behind).
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <memory>
 #include <mutex>
@@ -18,7 +19,13 @@ namespace m3 {
 
 class StalledStreams {
  public:
-  // Any thread (the scheduler's, as it closes a stream whose writer is busy).
+  // Room for `expected` streams at a time without allocating (most tracked streams are
+  // merely finishing: their writer was woken for the last messages; the next cut() drops
+  // them once their calls are done).
+  explicit StalledStreams(size_t expected = 4096);
+
+  // Any thread (the scheduler's, as it closes a stream whose writer is busy); holds the
+  // lock only for the push, never while cut() walks the streams.
   void track(std::shared_ptr<Sequence> sequence, Clock::time_point now);
   // Cancels the calls of tracked streams whose writer completed no write during the last
   // `stall`, and forgets those whose call is done; returns how many it cancelled.
@@ -33,6 +40,9 @@ class StalledStreams {
   };
   mutable std::mutex mu_;
   std::vector<Closing> closing_;
+  std::vector<Closing> walking_;  // cut()'s, under cut_mu_ (survivors of earlier cuts)
+  std::atomic<size_t> walking_size_{0};
+  std::mutex cut_mu_;             // one cut() at a time
 };
 
 }  // namespace m3

@@ -68,10 +68,24 @@ struct KillIfRunning {
   }
 };
 
-// Runs m3serve with `args` to its exit; its status and log.
+// Runs m3serve with `args` to its exit (one that still runs after 60 s is killed: -1);
+// its status and log.
 std::pair<int, std::string> run_to_exit(const std::vector<std::string>& args, const std::string& name) {
   Process p = spawn_m3serve(args, name);
-  const int status = exit_status(p.pid);
+  int status = -1;
+  for (int i = 0; i < 6000; ++i) {
+    int raw = 0;
+    if (waitpid(p.pid, &raw, WNOHANG) == p.pid) {
+      status = WIFEXITED(raw) ? WEXITSTATUS(raw) : 128 + WTERMSIG(raw);
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  if (status == -1) {
+    ADD_FAILURE() << "m3serve " << name << " did not exit within 60 s";
+    kill(p.pid, SIGKILL);
+    waitpid(p.pid, nullptr, 0);
+  }
   std::string log = read_all(p.log);
   std::filesystem::remove(p.log);
   return {status, log};

@@ -111,6 +111,9 @@ TEST(ServerConfigTest, OutOfRangeValuesAreRefused) {
             "shutdown_grace_s must be between 0 and 3600 seconds, got -1.000000");
   EXPECT_EQ(error_of([] { from_yaml("session_idle_timeout_s: -5\n"); }),
             "session_idle_timeout_s must be 0 (never) or between 0.001 and 86400 seconds, got -5.000000");
+  EXPECT_EQ(error_of([] { from_yaml("stalled_stream_timeout_s: 0.05\n"); }),
+            "stalled_stream_timeout_s must be between 0.1 and 3600 seconds, got 0.050000");
+  EXPECT_EQ(from_yaml("stalled_stream_timeout_s: 0.5\n").stalled_stream_timeout_s, 0.5);
   EXPECT_EQ(error_of([] { from_yaml("session_idle_timeout_s: 1e-10\n"); }),  // would round to "never"
             "session_idle_timeout_s must be 0 (never) or between 0.001 and 86400 seconds, got 0.000000");
   EXPECT_EQ(from_yaml("session_idle_timeout_s: 0\n").session_idle_timeout_s, 0.0);  // never

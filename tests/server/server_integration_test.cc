@@ -621,7 +621,7 @@ TEST(ServerTest, AQueuedRequestItsClientGivesUpOnLeavesTheQueue) {
   ASSERT_TRUE(running->Read(&response));  // it holds the slot
 
   grpc::ClientContext timed_ctx, cancelled_ctx;
-  timed_ctx.set_deadline(std::chrono::system_clock::now() + 2s);
+  timed_ctx.set_deadline(std::chrono::system_clock::now() + 4s);  // (both must queue before it)
   auto timed = server.stub->Generate(&timed_ctx, generate_request(kPrompt, 4));
   auto cancelled = server.stub->Generate(&cancelled_ctx, generate_request(kPrompt, 4));
   ASSERT_TRUE(queue_depth_is(2)) << "the two requests never queued";
@@ -651,7 +651,8 @@ TEST(ServerTest, ShutdownServesWhatWasAcceptedWithinTheGrace) {
   config.queue_capacity = 1;
   TestServer server(config);
   grpc::ClientContext running_ctx;
-  auto running = server.stub->Generate(&running_ctx, generate_request(kPrompt, 3000));
+  // (Long enough to be decoding still when the second request queues, on a busy machine.)
+  auto running = server.stub->Generate(&running_ctx, generate_request(kPrompt, 20000));
   v1::GenerateResponse response;
   ASSERT_TRUE(running->Read(&response));
   std::vector<int32_t> got(response.tokens().ids().begin(), response.tokens().ids().end());
@@ -668,7 +669,7 @@ TEST(ServerTest, ShutdownServesWhatWasAcceptedWithinTheGrace) {
   }
   EXPECT_TRUE(running->Finish().ok());
   EXPECT_TRUE(finished_by_length);
-  EXPECT_EQ(got.size(), 3000u);
+  EXPECT_EQ(got.size(), 20000u);
   const GenerateResult served = queued.get();
   EXPECT_TRUE(served.status.ok()) << served.status.error_message();
   EXPECT_EQ(served.tokens, engine_generate(kPrompt, 5));
@@ -853,6 +854,10 @@ TEST(ServerTest, MetricsAddUp) {
   generate(*server.stub, generate_request(kPrompt, 0));
   ASSERT_TRUE(wait_for_requests(*server.app, "invalid_argument", 2));
   ASSERT_TRUE(wait_for_requests(*server.app, "ok", 5));
+  // (A request is counted, then its duration observed: wait for the last observation.)
+  ASSERT_TRUE(eventually([&] {
+    return metric_value(server.app->metrics().serialize(), "m3serve_request_duration_seconds_count") == 7;
+  }));
   const std::string text = server.app->metrics().serialize();
   EXPECT_EQ(metric_value(text, "m3serve_requests_total{status=\"ok\"}"), 5) << text;
   EXPECT_EQ(metric_value(text, "m3serve_requests_total{status=\"invalid_argument\"}"), 2);
@@ -967,9 +972,37 @@ TEST(ServerTest, AStreamWhoseClientReadsNothingIsCutAfterTheStallTimeout) {
   while (reader->Read(&response)) {
   }
   EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::CANCELLED);
-  const auto lines = server.sink->lines();
-  EXPECT_TRUE(std::any_of(lines.begin(), lines.end(), [](const std::string& line) {
-    return line.find("cancelled 1 streams whose clients read nothing for 0.5s") != std::string::npos;
+  // (The sweeper logs after the cut, which may come after the call's end is recorded.)
+  EXPECT_TRUE(eventually([&] {
+    const auto lines = server.sink->lines();
+    return std::any_of(lines.begin(), lines.end(), [](const std::string& line) {
+      return line.find("cancelled 1 streams whose clients read nothing for 0.5s") != std::string::npos;
+    });
+  }));
+}
+
+// The same for a stream the engine finished (every token made, the last ones in flight):
+// the cut is the server's, and the log says so rather than blaming the client.
+TEST(ServerTest, AFinishedStreamWhoseClientReadsNothingIsCutAsTheServers) {
+  ServerConfig config = test_config();
+  config.stream_buffer_tokens = 4000;
+  config.stalled_stream_timeout_s = 0.5;
+  TestServer server(config);
+  auto stub = small_window_stub(server);
+  grpc::ClientContext ctx;
+  auto reader = stub->Generate(&ctx, generate_request(kPrompt, 4000));
+  ASSERT_TRUE(wait_for_requests(*server.app, "cancelled", 1)) << "the stream was never cut";
+  EXPECT_EQ(requests_with_status(*server.app, "ok"), 0);
+  v1::GenerateResponse response;
+  while (reader->Read(&response)) {
+  }
+  EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  EXPECT_TRUE(eventually([&] {
+    const auto lines = server.sink->lines();
+    return std::any_of(lines.begin(), lines.end(), [](const std::string& line) {
+      return line.find("status=cancelled") != std::string::npos &&
+             line.find("cancelled by the server: the client read nothing") != std::string::npos;
+    });
   }));
 }
 
