@@ -415,11 +415,10 @@ void Scheduler::finish(int i, StreamStatus status, std::string message, TokenOut
   free_slots_.push_back(i);
   --active_;
   if (metrics_) metrics_->set_active_sequences(active_);
-  if (seq->outbox().close(status, std::move(message), unsent)) {
-    wake_writer(seq);
-  } else if (options_.stalled_streams != nullptr) {
-    options_.stalled_streams->track(seq, Clock::now());  // its writer is busy
-  }
+  if (seq->outbox().close(status, std::move(message), unsent)) wake_writer(seq);
+  // Its last messages and status may wait behind data its client's window holds back,
+  // whether or not a write is in flight now: watched until its call is done.
+  if (options_.stalled_streams != nullptr) options_.stalled_streams->track(seq, Clock::now());
   {
     std::lock_guard lock(mu_);
     --in_flight_;

@@ -63,7 +63,8 @@ struct SchedulerOptions {
   // more (Engine::failure()); the server then reports NOT_SERVING. From then on requests
   // are refused with UNAVAILABLE.
   std::function<void(const std::string& why)> on_engine_unusable;
-  // Where a stream closed while its writer was busy is handed over (may be null).
+  // Where every stream the scheduler closes is handed over until its call is done (may be
+  // null).
   StalledStreams* stalled_streams = nullptr;
 };
 

@@ -971,14 +971,20 @@ TEST(ServerTest, AStreamWhoseClientReadsNothingIsCutAfterTheStallTimeout) {
   v1::GenerateResponse response;
   while (reader->Read(&response)) {
   }
-  EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::CANCELLED);
-  // (The sweeper logs after the cut, which may come after the call's end is recorded.)
-  EXPECT_TRUE(eventually([&] {
-    const auto lines = server.sink->lines();
-    return std::any_of(lines.begin(), lines.end(), [](const std::string& line) {
-      return line.find("cancelled 1 streams whose clients read nothing for 0.5s") != std::string::npos;
-    });
-  }));
+  // Cut (CANCELLED), unless its status still fitted in the client's window when it ended
+  // (a busy machine's flusher can fall behind the engine, so the buffer overflows before
+  // the window is full): then the client gets it.
+  const grpc::StatusCode code = reader->Finish().error_code();
+  EXPECT_TRUE(code == grpc::StatusCode::CANCELLED || code == grpc::StatusCode::RESOURCE_EXHAUSTED) << code;
+  if (code == grpc::StatusCode::CANCELLED) {
+    // (The sweeper logs after the cut, which may come after the call's end is recorded.)
+    EXPECT_TRUE(eventually([&] {
+      const auto lines = server.sink->lines();
+      return std::any_of(lines.begin(), lines.end(), [](const std::string& line) {
+        return line.find("cancelled 1 streams whose clients read nothing for 0.5s") != std::string::npos;
+      });
+    }));
+  }
 }
 
 // The same for a stream the engine finished (every token made, the last ones in flight):
