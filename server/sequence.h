@@ -90,10 +90,10 @@ class Sequence {
   // Written by the engine thread before the outbox closes; read by the stream after.
   SequenceSummary summary;
 
-  // A stream whose outbox closed while a write was in flight ends only when that write
-  // completes, which a client that reads nothing never lets happen. The writer counts its
-  // completed writes, and detaches when its call is done; cut_stalled_stream() cancels
-  // the call of a writer that is still attached (false: it was detached already).
+  // A stream whose outbox is closed ends only when its last messages and its status reach
+  // the client, which a client that reads nothing never lets happen (StalledStreams). The
+  // writer counts its completed writes, and detaches when its call is done;
+  // cut_stalled_stream() cancels the call of a writer still attached (false: detached).
   void note_write_done() { writes_done_.fetch_add(1, std::memory_order_relaxed); }
   uint64_t writes_done() const { return writes_done_.load(std::memory_order_relaxed); }
   void detach_writer();
