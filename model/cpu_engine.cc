@@ -238,7 +238,9 @@ void CpuEngine::reset(int slot) {
 
 void CpuEngine::set_sampling(int slot, const SamplingParams& params) {
   check_slot(slot, "set_sampling");
-  validate_sampling_params(params, "set_sampling: slot " + std::to_string(slot));
+  if (const std::string why = sampling_params_error(params); !why.empty()) {
+    throw std::invalid_argument("set_sampling: slot " + std::to_string(slot) + ": " + why);
+  }
   params_[static_cast<size_t>(slot)] = params;
 }
 

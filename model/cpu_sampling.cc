@@ -98,20 +98,15 @@ int32_t sample_token(std::span<const float> logits, int vocab_size, const Sampli
   return order[kept - 1];  // only reachable through rounding at the very top of the range
 }
 
-void validate_sampling_params(const SamplingParams& params, std::string_view context) {
-  const std::string where(context);
+std::string sampling_params_error(const SamplingParams& params) {
   if (!std::isfinite(params.temperature)) {
-    throw std::invalid_argument(where + ": temperature must be finite, got " +
-                                std::to_string(params.temperature));
+    return "temperature must be finite, got " + std::to_string(params.temperature);
   }
-  if (params.top_k < 0) {
-    throw std::invalid_argument(where + ": top_k must be >= 0 (0 = no limit), got " +
-                                std::to_string(params.top_k));
-  }
+  if (params.top_k < 0) return "top_k must be >= 0 (0 = no limit), got " + std::to_string(params.top_k);
   if (!(params.top_p >= 0.0f && params.top_p <= 1.0f)) {
-    throw std::invalid_argument(where + ": top_p must be in [0, 1], got " +
-                                std::to_string(params.top_p));
+    return "top_p must be in [0, 1], got " + std::to_string(params.top_p);
   }
+  return {};
 }
 
 }  // namespace m3

@@ -44,9 +44,9 @@ int32_t greedy_token(std::span<const float> logits, int vocab_size);
 int32_t sample_token(std::span<const float> logits, int vocab_size, const SamplingParams& params,
                      uint64_t counter, SamplingScratch& scratch);
 
-// Throws std::invalid_argument, the message starting with `context` (e.g.
-// "set_sampling: slot 3"), for parameters no backend accepts: a NaN or infinite
-// temperature, top_k < 0, top_p outside [0, 1] or NaN.
-void validate_sampling_params(const SamplingParams& params, std::string_view context);
+// Why no backend accepts these parameters (a NaN or infinite temperature, top_k < 0,
+// top_p outside [0, 1] or NaN), or empty. Allocates nothing for valid parameters (an
+// engine's set_sampling runs once a request).
+std::string sampling_params_error(const SamplingParams& params);
 
 }  // namespace m3

@@ -491,7 +491,9 @@ void CudaEngine::set_sampling(int slot, const SamplingParams& params) {
     throw std::invalid_argument(slot_context("set_sampling", slot) + " is out of range [0, " +
                                 std::to_string(max_slots_) + ")");
   }
-  validate_sampling_params(params, slot_context("set_sampling", slot));
+  if (const std::string why = sampling_params_error(params); !why.empty()) {
+    throw std::invalid_argument(slot_context("set_sampling", slot) + ": " + why);
+  }
   kernels::SlotSampling& s = params_[slot];
   s.temperature = params.temperature;
   s.top_k = params.top_k;

@@ -1,43 +1,15 @@
-// The decode step allocates nothing: this binary replaces the global operator new with
-// one that counts (on every thread, the engine's workers included) and asserts that
+// The CPU engine's decode step allocates nothing: this binary counts the global operator
+// new (counting_new.cc: on every thread, the engine's workers included) and asserts that
 // steps after the first allocate zero times, with prefill, continue tokens, every
 // sampling mode and queued (submitted, then collected) steps in the mix.
 #include <gtest/gtest.h>
 
-#include <atomic>
-#include <cstdlib>
-#include <new>
 #include <vector>
 
+#include "counting_new.h"
 #include "model/cpu_engine.h"
 #include "model/weights.h"
 #include "test_models.h"
-
-namespace {
-std::atomic<bool> g_counting{false};
-std::atomic<long> g_allocations{0};
-
-void* counted_alloc(std::size_t n) {
-  if (g_counting.load(std::memory_order_relaxed)) g_allocations.fetch_add(1, std::memory_order_relaxed);
-  if (void* p = std::malloc(n == 0 ? 1 : n)) return p;
-  throw std::bad_alloc();
-}
-}  // namespace
-
-void* operator new(std::size_t n) { return counted_alloc(n); }
-void* operator new[](std::size_t n) { return counted_alloc(n); }
-void* operator new(std::size_t n, const std::nothrow_t&) noexcept {
-  try {
-    return counted_alloc(n);
-  } catch (...) {
-    return nullptr;
-  }
-}
-void* operator new[](std::size_t n, const std::nothrow_t& t) noexcept { return operator new(n, t); }
-void operator delete(void* p) noexcept { std::free(p); }
-void operator delete[](void* p) noexcept { std::free(p); }
-void operator delete(void* p, std::size_t) noexcept { std::free(p); }
-void operator delete[](void* p, std::size_t) noexcept { std::free(p); }
 
 namespace m3 {
 namespace {
@@ -76,12 +48,12 @@ TEST(CpuEngineAllocation, StepsAllocateNothing) {
   }
 
   const std::vector<int32_t> pair = {3, 1}, pair_tokens = {-1, 100};
-  g_allocations = 0;
-  g_counting = true;
+  testing::start_counting_allocations();
   for (int i = 0; i < 30; ++i) {
     engine->step(all, cont, sampled, logits);
     engine->step(pair, pair_tokens, std::span<int32_t>(sampled.data(), 2));
     engine->reset(0);
+    engine->set_sampling(0, i % 2 ? topk : plain);  // once a request in a server
     engine->step(std::span<const int32_t>(all.data(), 1), std::span<const int32_t>(first.data(), 1),
                  std::span<int32_t>(sampled.data(), 1));
     engine->submit_step(all, cont);
@@ -89,15 +61,14 @@ TEST(CpuEngineAllocation, StepsAllocateNothing) {
     engine->collect_step(sampled);
     engine->collect_step(std::span<int32_t>(sampled.data(), 2));
   }
-  g_counting = false;
-  EXPECT_EQ(g_allocations.load(), 0);
+  EXPECT_EQ(testing::stop_counting_allocations(), 0);
 
   // The counter does count: a std::vector in the window is seen.
-  g_counting = true;
+  testing::start_counting_allocations();
   std::vector<int>* probe = new std::vector<int>(10);
-  g_counting = false;
+  const long seen = testing::stop_counting_allocations();
   delete probe;
-  EXPECT_EQ(g_allocations.load(), 2);
+  EXPECT_EQ(seen, 2);
 }
 
 }  // namespace

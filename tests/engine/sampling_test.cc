@@ -210,23 +210,14 @@ TEST(Sampling, RejectsShortLogitsAndSmallScratch) {
             "sample_token: 10 logits for vocab_size 11");
 }
 
-TEST(Sampling, ValidateNamesTheBadParameter) {
-  const auto message = [](const SamplingParams& p) -> std::string {
-    try {
-      validate_sampling_params(p, "slot 3");
-    } catch (const std::invalid_argument& e) {
-      return e.what();
-    }
-    return "";
-  };
-  EXPECT_EQ(message(hot(0.7f, 40, 0.9f)), "");
-  EXPECT_EQ(message(hot(0.0f, 0, 0.0f)), "");
-  EXPECT_EQ(message(hot(std::numeric_limits<float>::infinity())),
-            "slot 3: temperature must be finite, got inf");
-  EXPECT_EQ(message(hot(1.0f, -1)), "slot 3: top_k must be >= 0 (0 = no limit), got -1");
-  EXPECT_EQ(message(hot(1.0f, 0, 1.5f)), "slot 3: top_p must be in [0, 1], got 1.500000");
-  EXPECT_EQ(message(hot(1.0f, 0, std::numeric_limits<float>::quiet_NaN())),
-            "slot 3: top_p must be in [0, 1], got nan");
+TEST(Sampling, ParamsErrorNamesTheBadParameter) {
+  EXPECT_EQ(sampling_params_error(hot(0.7f, 40, 0.9f)), "");
+  EXPECT_EQ(sampling_params_error(hot(0.0f, 0, 0.0f)), "");
+  EXPECT_EQ(sampling_params_error(hot(std::numeric_limits<float>::infinity())), "temperature must be finite, got inf");
+  EXPECT_EQ(sampling_params_error(hot(1.0f, -1)), "top_k must be >= 0 (0 = no limit), got -1");
+  EXPECT_EQ(sampling_params_error(hot(1.0f, 0, 1.5f)), "top_p must be in [0, 1], got 1.500000");
+  EXPECT_EQ(sampling_params_error(hot(1.0f, 0, std::numeric_limits<float>::quiet_NaN())),
+            "top_p must be in [0, 1], got nan");
 }
 
 }  // namespace
