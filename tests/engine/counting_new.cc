@@ -7,17 +7,23 @@
 
 namespace {
 std::atomic<bool> g_counting{false};
+std::atomic<bool> g_only_marked{false};
 std::atomic<long> g_allocations{0};
+thread_local bool t_marked = false;
+
+bool counts() {
+  return g_counting.load(std::memory_order_relaxed) && (t_marked || !g_only_marked.load(std::memory_order_relaxed));
+}
 
 void* counted_alloc(std::size_t n) {
-  if (g_counting.load(std::memory_order_relaxed)) g_allocations.fetch_add(1, std::memory_order_relaxed);
+  if (counts()) g_allocations.fetch_add(1, std::memory_order_relaxed);
   if (void* p = std::malloc(n == 0 ? 1 : n)) return p;
   throw std::bad_alloc();
 }
 
 // The over-aligned forms (types aligned past 16 bytes) are counted too.
 void* counted_aligned_alloc(std::size_t n, std::align_val_t alignment) {
-  if (g_counting.load(std::memory_order_relaxed)) g_allocations.fetch_add(1, std::memory_order_relaxed);
+  if (counts()) g_allocations.fetch_add(1, std::memory_order_relaxed);
   const auto align = static_cast<std::size_t>(alignment);
   const std::size_t size = (n == 0 ? align : (n + align - 1) / align * align);  // aligned_alloc's rule
   if (void* p = std::aligned_alloc(align, size)) return p;
@@ -57,5 +63,9 @@ long stop_counting_allocations() {
   g_counting = false;
   return g_allocations.load();
 }
+
+void count_only_marked_threads(bool only) { g_only_marked = only; }
+
+void mark_this_thread() { t_marked = true; }
 
 }  // namespace m3::testing

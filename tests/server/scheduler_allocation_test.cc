@@ -1,0 +1,101 @@
+// The scheduler's engine thread allocates nothing per token (server/README.md: step arrays
+// preallocated, no log, no gRPC): this binary counts the global operator new
+// (tests/engine/counting_new.cc) on the thread a fake engine's step() runs on, while two
+// sequences decode side by side, pipelined.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <atomic>
+#include <thread>
+#include <vector>
+
+#include "counting_new.h"
+#include "server/scheduler.h"
+
+namespace m3 {
+namespace {
+
+using namespace std::chrono_literals;
+
+// Samples (input + 1) % 1000 and records nothing; marks the thread it runs on.
+class QuietEngine final : public Engine {
+ public:
+  explicit QuietEngine(int slots) : last_(static_cast<size_t>(slots), 0) { config_.vocab_size = 1000; }
+  std::string_view backend() const override { return "quiet"; }
+  const ModelConfig& config() const override { return config_; }
+  int max_slots() const override { return static_cast<int>(last_.size()); }
+  void reset(int slot) override { last_[static_cast<size_t>(slot)] = 0; }
+  void set_sampling(int, const SamplingParams&) override {}
+  void step(std::span<const int32_t> slots, std::span<const int32_t> tokens, std::span<int32_t> sampled,
+            std::span<float>) override {
+    testing::mark_this_thread();
+    for (size_t i = 0; i < slots.size(); ++i) {
+      int32_t& last = last_[static_cast<size_t>(slots[i])];
+      sampled[i] = ((tokens[i] == kContinueToken ? last : tokens[i]) + 1) % 1000;
+      last = sampled[i];
+    }
+    steps_.fetch_add(1, std::memory_order_relaxed);
+  }
+  EngineStats stats() const override { return {steps_.load(), 0, 0}; }
+
+ private:
+  ModelConfig config_;
+  std::vector<int32_t> last_;
+  std::atomic<uint64_t> steps_{0};
+};
+
+// Takes what its outbox holds (on the flusher's thread) and counts it.
+class CountingWriter final : public StreamWriter {
+ public:
+  void flush() override {
+    for (;;) {
+      const TokenOutbox::Item item = sequence->outbox().take(&scratch_);
+      if (item.kind == TokenOutbox::Item::kNothing) return;
+      if (item.kind == TokenOutbox::Item::kTokens) tokens += scratch_.size();
+      if (item.kind == TokenOutbox::Item::kClosed) closed = true;
+    }
+  }
+  std::shared_ptr<Sequence> sequence;
+  std::atomic<size_t> tokens{0};
+  std::atomic<bool> closed{false};
+
+ private:
+  std::vector<int32_t> scratch_;
+};
+
+TEST(SchedulerAllocation, TheEngineThreadAllocatesNothingPerToken) {
+  QuietEngine engine(4);
+  Scheduler scheduler(engine, {}, nullptr, nullptr);
+  CountingWriter writers[2];
+  for (int i = 0; i < 2; ++i) {
+    SequenceParams params;
+    params.max_new_tokens = 1'000'000;
+    writers[i].sequence = std::make_shared<Sequence>(params, 1 << 16, &writers[i]);
+    writers[i].sequence->add_input(std::vector<int32_t>{1 + i, 2, 3});
+    writers[i].sequence->end_turn(params.max_new_tokens);
+    writers[i].sequence->close_input();
+    ASSERT_EQ(scheduler.submit(writers[i].sequence).status, StreamStatus::kOk);
+  }
+  const auto wait_for_tokens = [&](size_t n) {
+    for (int i = 0; i < 3000 && (writers[0].tokens < n || writers[1].tokens < n); ++i) std::this_thread::sleep_for(10ms);
+    return writers[0].tokens >= n && writers[1].tokens >= n;
+  };
+  ASSERT_TRUE(wait_for_tokens(100));  // both decoding, every buffer at its size
+  testing::count_only_marked_threads(true);
+  testing::start_counting_allocations();
+  const uint64_t steps_before = engine.stats().steps;
+  ASSERT_TRUE(wait_for_tokens(std::max(writers[0].tokens.load(), writers[1].tokens.load()) + 5000));
+  const long allocations = testing::stop_counting_allocations();
+  const uint64_t steps = engine.stats().steps - steps_before;
+  testing::count_only_marked_threads(false);
+  EXPECT_GE(steps, 5000u);
+  EXPECT_EQ(allocations, 0) << "over " << steps << " steps";
+
+  for (auto& w : writers) w.sequence->request_cancel(StreamStatus::kCancelled, "done");
+  scheduler.wake();
+  for (int i = 0; i < 3000 && !(writers[0].closed && writers[1].closed); ++i) std::this_thread::sleep_for(1ms);
+  EXPECT_TRUE(writers[0].closed && writers[1].closed);
+}
+
+}  // namespace
+}  // namespace m3
