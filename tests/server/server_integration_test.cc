@@ -37,13 +37,14 @@ double requests_with_status(ServerApp& app, const std::string& status) {
 }
 
 // Polls until the metric reaches `value` (the stream end is recorded just after the
-// client sees it).
-bool wait_for_requests(ServerApp& app, const std::string& status, double value) {
-  for (int i = 0; i < 500; ++i) {
+// client sees it), for at most `limit`.
+bool wait_for_requests(ServerApp& app, const std::string& status, double value,
+                       std::chrono::milliseconds limit = 5s) {
+  for (auto waited = 0ms; waited < limit; waited += 10ms) {
     if (requests_with_status(app, status) >= value) return true;
     std::this_thread::sleep_for(10ms);
   }
-  return false;
+  return requests_with_status(app, status) >= value;
 }
 
 // Polls until `done` holds (what the server does after the client sees a stream end,
@@ -967,7 +968,8 @@ TEST(ServerTest, AStreamWhoseClientReadsNothingIsCutAfterTheStallTimeout) {
   auto stub = small_window_stub(server);
   grpc::ClientContext ctx;
   auto reader = stub->Generate(&ctx, generate_request(kPrompt, 10'000'000));
-  ASSERT_TRUE(wait_for_requests(*server.app, "resource_exhausted", 1)) << "the stream was never cut";
+  // (30 s: the stream's tokens, the stall and the sweep, on a slow machine.)
+  ASSERT_TRUE(wait_for_requests(*server.app, "resource_exhausted", 1, 30s)) << "the stream was never cut";
   v1::GenerateResponse response;
   while (reader->Read(&response)) {
   }
@@ -997,7 +999,7 @@ TEST(ServerTest, AFinishedStreamWhoseClientReadsNothingIsCutAsTheServers) {
   auto stub = small_window_stub(server);
   grpc::ClientContext ctx;
   auto reader = stub->Generate(&ctx, generate_request(kPrompt, 4000));
-  ASSERT_TRUE(wait_for_requests(*server.app, "cancelled", 1)) << "the stream was never cut";
+  ASSERT_TRUE(wait_for_requests(*server.app, "cancelled", 1, 30s)) << "the stream was never cut";
   EXPECT_EQ(requests_with_status(*server.app, "ok"), 0);
   v1::GenerateResponse response;
   while (reader->Read(&response)) {
