@@ -23,11 +23,7 @@ ConverseReactor::ConverseReactor(ServiceContext& ctx, grpc::CallbackServerContex
 
 void ConverseReactor::OnReadDone(bool ok) {
   if (!ok) {  // the client closed its side (or the call ended)
-    std::shared_ptr<Sequence> seq;
-    {
-      std::lock_guard lock(seq_mu_);
-      seq = seq_;
-    }
+    const std::shared_ptr<Sequence> seq = session();
     if (!seq) {
       end_without_session();
       return;
@@ -186,11 +182,7 @@ void ConverseReactor::fail(const std::string& message) {
 }
 
 void ConverseReactor::end_session(StreamStatus status, const std::string& message) {
-  std::shared_ptr<Sequence> seq;
-  {
-    std::lock_guard lock(seq_mu_);
-    seq = seq_;
-  }
+  const std::shared_ptr<Sequence> seq = session();
   if (!seq) {
     if (ctx_.unstarted_sessions.take(this)) complete(status, message);
     return;  // else a shutdown took the stream and finishes it
@@ -245,19 +237,18 @@ void ConverseReactor::OnCancel() {
 
 void ConverseReactor::cancel_call() { call_->TryCancel(); }
 
+std::shared_ptr<Sequence> ConverseReactor::session() {
+  std::lock_guard lock(seq_mu_);
+  return seq_;
+}
+
 void ConverseReactor::OnDone() {
-  std::shared_ptr<Sequence> seq;
-  {
-    std::lock_guard lock(seq_mu_);
-    seq = seq_;
-  }
-  if (seq) seq->detach_writer();  // waits for a cut_stalled_stream() in progress
   // A client's cancellation ends its side of the stream too, and the failed read can reach
   // the session before OnCancel does: an idle session (or a stream with none) then ends
   // "ok". Only now, with the call done, is IsCancelled() certain; such an end is the
   // cancellation it was.
-  const CallEnd end = recorded_end(*call_, seq.get(), final_status_, final_message_);
-  record(end.status, end.message);
+  const std::shared_ptr<Sequence> seq = session();
+  record_call_done(ctx_, *call_, "Converse", session_id_, start_, seq.get(), final_status_, final_message_);
   delete this;
 }
 
@@ -265,20 +256,6 @@ void ConverseReactor::complete(StreamStatus status, const std::string& message) 
   final_status_ = status;  // recorded in OnDone
   final_message_ = message;
   Finish(to_grpc_status(status, message));
-}
-
-void ConverseReactor::record(StreamStatus status, const std::string& message) {
-  RequestRecord record;
-  record.method = "Converse";
-  record.request_id = session_id_;
-  record.status = status;
-  record.message = message;
-  {
-    std::lock_guard lock(seq_mu_);
-    if (seq_) record.summary = seq_->summary;
-  }
-  record.duration_ms = std::chrono::duration<double, std::milli>(Clock::now() - start_).count();
-  record_request_end(ctx_, record);
 }
 
 }  // namespace m3

@@ -50,7 +50,7 @@ class ConverseReactor final
   void end_session(StreamStatus status, const std::string& message);
   void end_without_session();  // the client's side ended before it started a session
   void complete(StreamStatus status, const std::string& message);  // Finish (OnDone records)
-  void record(StreamStatus status, const std::string& message);
+  std::shared_ptr<Sequence> session();  // seq_, read under seq_mu_ (null before the session)
 
   ServiceContext& ctx_;
   grpc::CallbackServerContext* call_;

@@ -93,11 +93,9 @@ void GenerateReactor::OnCancel() {
 void GenerateReactor::cancel_call() { call_->TryCancel(); }
 
 void GenerateReactor::OnDone() {
-  if (seq_) seq_->detach_writer();  // waits for a cut_stalled_stream() in progress
   // A stream the engine finished can still be cancelled by its client (or its deadline)
   // while its last messages are on their way.
-  const CallEnd end = recorded_end(*call_, seq_.get(), final_status_, final_message_);
-  record(end.status, end.message);
+  record_call_done(ctx_, *call_, "Generate", request_id_, start_, seq_.get(), final_status_, final_message_);
   delete this;
 }
 
@@ -105,17 +103,6 @@ void GenerateReactor::complete(StreamStatus status, const std::string& message) 
   final_status_ = status;  // recorded in OnDone
   final_message_ = message;
   Finish(to_grpc_status(status, message));
-}
-
-void GenerateReactor::record(StreamStatus status, const std::string& message) {
-  RequestRecord record;
-  record.method = "Generate";
-  record.request_id = request_id_;
-  record.status = status;
-  record.message = message;
-  if (seq_) record.summary = seq_->summary;
-  record.duration_ms = std::chrono::duration<double, std::milli>(Clock::now() - start_).count();
-  record_request_end(ctx_, record);
 }
 
 }  // namespace m3

@@ -33,7 +33,6 @@ class GenerateReactor final : public grpc::ServerWriteReactor<v1::GenerateRespon
   std::string read_prompt(const v1::GenerateRequest& request, std::vector<int32_t>* prompt);
   // Finishes the call with this status; OnDone records it (or the client's cancellation).
   void complete(StreamStatus status, const std::string& message);
-  void record(StreamStatus status, const std::string& message);
 
   ServiceContext& ctx_;
   grpc::CallbackServerContext* call_;

@@ -64,21 +64,31 @@ CallEnd call_end_reason(const grpc::CallbackServerContext& call) {
   return {StreamStatus::kCancelled, "cancelled by the client"};
 }
 
-CallEnd recorded_end(const grpc::CallbackServerContext& call, Sequence* seq, StreamStatus finished_with,
-                     const std::string& message) {
-  if (finished_with != StreamStatus::kOk) return {finished_with, message};
-  if (seq != nullptr && seq->was_cut()) {
-    return {StreamStatus::kCancelled,
-            "cancelled by the server: the client read nothing of the stream's last messages for "
-            "stalled_stream_timeout_s"};
-  }
-  if (call.IsCancelled()) return call_end_reason(call);
-  return {finished_with, message};
-}
-
 void request_cancel_for_call_end(Sequence& seq, const grpc::CallbackServerContext& call) {
   CallEnd end = call_end_reason(call);
   seq.request_cancel(end.status, std::move(end.message));
+}
+
+void record_call_done(ServiceContext& ctx, const grpc::CallbackServerContext& call, std::string_view method,
+                      std::string_view request_id, Clock::time_point start, Sequence* seq,
+                      StreamStatus finished_with, const std::string& message) {
+  if (seq != nullptr) seq->detach_writer();
+  CallEnd end{finished_with, message};
+  if (finished_with == StreamStatus::kOk && seq != nullptr && seq->was_cut()) {
+    end = {StreamStatus::kCancelled,
+           "cancelled by the server: the client read nothing of the stream's last messages for "
+           "stalled_stream_timeout_s"};
+  } else if (finished_with == StreamStatus::kOk && call.IsCancelled()) {
+    end = call_end_reason(call);
+  }
+  RequestRecord record;
+  record.method = method;
+  record.request_id = request_id;
+  record.status = end.status;
+  record.message = end.message;
+  if (seq != nullptr) record.summary = seq->summary;
+  record.duration_ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
+  record_request_end(ctx, record);
 }
 
 void record_request_end(ServiceContext& ctx, const RequestRecord& record) {

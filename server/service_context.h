@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "m3serve.pb.h"
@@ -54,12 +55,15 @@ struct CallEnd {
   std::string message;
 };
 CallEnd call_end_reason(const grpc::CallbackServerContext& call);
-// How a finished call is recorded (from OnDone, when IsCancelled() is certain): as it was
-// finished, unless it was finished ok and its call was cancelled first, by the client (or
-// its deadline), or by the server because the client read nothing (`seq` was cut:
-// StalledStreams); the client then got CANCELLED, not what was sent.
-CallEnd recorded_end(const grpc::CallbackServerContext& call, Sequence* seq, StreamStatus finished_with,
-                     const std::string& message);
+// A stream's call is done (its reactor's OnDone, where IsCancelled() is certain): detaches
+// the stream's writer from `seq` (null: it had none; waits for a cut_stalled_stream() in
+// progress) and records the call (record_request_end) as it was finished, unless it was
+// finished ok and its call was cancelled first, by the client (or its deadline), or by the
+// server because the client read nothing (`seq` was cut: StalledStreams); the client then
+// got CANCELLED, not what was sent.
+void record_call_done(ServiceContext& ctx, const grpc::CallbackServerContext& call, std::string_view method,
+                      std::string_view request_id, Clock::time_point start, Sequence* seq,
+                      StreamStatus finished_with, const std::string& message);
 // Ends the sequence at the next token boundary with call_end_reason(call).
 void request_cancel_for_call_end(Sequence& seq, const grpc::CallbackServerContext& call);
 // After a stream ends: the request counter, the duration histogram, the log line.
