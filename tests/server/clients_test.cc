@@ -142,7 +142,8 @@ class ScriptedServer {
   std::unique_ptr<grpc::Server> server_;
 };
 
-struct CliRun {
+// What a tool run as a program left: its exit status, stdout and stderr.
+struct ToolRun {
   int exit_code = -1;
   std::string out;
   std::string err;
@@ -161,23 +162,23 @@ std::string make_own_dir(const std::string& prefix) {
   return dir;
 }
 
-// Runs m3cli with `args` (shell words), stdin from `input`.
-CliRun m3cli(const std::string& args, const std::string& input = "") {
-  const std::string dir = make_own_dir("m3cli");
-  if (dir.empty()) return {-1, "", ""};
-  const std::string in = dir + "/m3cli.in", out = dir + "/m3cli.out", err = dir + "/m3cli.err";
+// Runs the program `exe` with `args` (shell words), stdin from `input`.
+ToolRun run_tool(const char* exe, const std::string& args, const std::string& input = "") {
+  const std::string dir = make_own_dir("tool");
+  if (dir.empty()) return {};
+  const std::string in = dir + "/in", out = dir + "/out", err = dir + "/err";
   std::ofstream(in) << input;
-  const std::string command =
-      std::string(M3_TEST_M3CLI) + " " + args + " <" + in + " >" + out + " 2>" + err;
-  const int status = std::system(command.c_str());
+  const int status = std::system((std::string(exe) + " " + args + " <" + in + " >" + out + " 2>" + err).c_str());
   auto slurp = [](const std::string& path) {
     std::ifstream file(path);
     return std::string(std::istreambuf_iterator<char>(file), {});
   };
-  CliRun run{WIFEXITED(status) ? WEXITSTATUS(status) : -1, slurp(out), slurp(err)};
+  ToolRun run{WIFEXITED(status) ? WEXITSTATUS(status) : -1, slurp(out), slurp(err)};
   std::filesystem::remove_all(dir);
   return run;
 }
+
+ToolRun m3cli(const std::string& args, const std::string& input = "") { return run_tool(M3_TEST_M3CLI, args, input); }
 
 bool contains(const std::string& text, const std::string& part) {
   return text.find(part) != std::string::npos;
@@ -185,7 +186,7 @@ bool contains(const std::string& text, const std::string& part) {
 
 TEST(M3cli, GenerateStreamsTheTokensAndPrintsTimings) {
   ScriptedServer server;
-  const CliRun run = m3cli("--server " + server.address() + " generate --ids 1,2,3 --max-new-tokens 4 --seed 9");
+  const ToolRun run = m3cli("--server " + server.address() + " generate --ids 1,2,3 --max-new-tokens 4 --seed 9");
   EXPECT_EQ(run.exit_code, 0) << run.err;
   EXPECT_EQ(run.out, "6 7 8 9\n");
   EXPECT_TRUE(contains(run.err, "finished: length, request made-up, seed 9")) << run.err;
@@ -195,7 +196,7 @@ TEST(M3cli, GenerateStreamsTheTokensAndPrintsTimings) {
 
 TEST(M3cli, PrintChoosesTextOrIds) {
   ScriptedServer server;
-  CliRun run = m3cli("--server " + server.address() + " generate --ids 1 --max-new-tokens 3 --print text");
+  ToolRun run = m3cli("--server " + server.address() + " generate --ids 1 --max-new-tokens 3 --print text");
   EXPECT_EQ(run.exit_code, 0) << run.err;
   EXPECT_EQ(run.out, "t1 t2 t3 \n");
   run = m3cli("--server " + server.address() + " generate --ids 1 --max-new-tokens 3 --print words");
@@ -205,7 +206,7 @@ TEST(M3cli, PrintChoosesTextOrIds) {
 
 TEST(M3cli, GenerateStopsAtAStopToken) {
   ScriptedServer server;
-  const CliRun run = m3cli("generate --server=" + server.address() + " --ids '5 5' --max-new-tokens 9 --stop 12,99");
+  const ToolRun run = m3cli("generate --server=" + server.address() + " --ids '5 5' --max-new-tokens 9 --stop 12,99");
   EXPECT_EQ(run.exit_code, 0) << run.err;
   EXPECT_EQ(run.out, "10 11 12\n");
   EXPECT_TRUE(contains(run.err, "finished: stop")) << run.err;
@@ -213,7 +214,7 @@ TEST(M3cli, GenerateStopsAtAStopToken) {
 
 TEST(M3cli, AnRpcErrorIsPrintedWithItsStatusAndFails) {
   ScriptedServer server;
-  const CliRun run = m3cli("--server " + server.address() + " generate --text 'hello there'");
+  const ToolRun run = m3cli("--server " + server.address() + " generate --text 'hello there'");
   EXPECT_EQ(run.exit_code, 1);
   EXPECT_TRUE(contains(run.err, "m3cli: Generate failed: INVALID_ARGUMENT: prompt_text needs a tokenizer"))
       << run.err;
@@ -221,7 +222,7 @@ TEST(M3cli, AnRpcErrorIsPrintedWithItsStatusAndFails) {
 
 TEST(M3cli, ConverseRepliesToEachLineOfStdin) {
   ScriptedServer server;
-  const CliRun run = m3cli("--server " + server.address() + " converse --max-new-tokens 2",
+  const ToolRun run = m3cli("--server " + server.address() + " converse --max-new-tokens 2",
                         "1,2,3\n\n4 5\n");
   EXPECT_EQ(run.exit_code, 0) << run.err;
   EXPECT_EQ(run.out, "3 3\n12 12\n");  // turn 0: 3 inputs; the blank line is skipped; turn 1: 2
@@ -232,7 +233,7 @@ TEST(M3cli, ConverseRepliesToEachLineOfStdin) {
 
 TEST(M3cli, ConverseReportsAServerThatEndsTheSession) {
   ScriptedServer server;
-  const CliRun run = m3cli("--server " + server.address() + " converse", "some words\n");
+  const ToolRun run = m3cli("--server " + server.address() + " converse", "some words\n");
   EXPECT_EQ(run.exit_code, 1);
   EXPECT_TRUE(contains(run.err, "Converse failed: INVALID_ARGUMENT: input_text needs a tokenizer"))
       << run.err;
@@ -244,7 +245,7 @@ TEST(M3cli, ConverseReportsAServerThatEndsTheSession) {
 // would drop the message and the server take the stream as closed).
 TEST(M3cli, ConverseInputModeAndUtf8) {
   ScriptedServer server;
-  CliRun run = m3cli("--server " + server.address() + " converse --input text", "2024\n");
+  ToolRun run = m3cli("--server " + server.address() + " converse --input text", "2024\n");
   EXPECT_EQ(run.exit_code, 1);
   EXPECT_TRUE(contains(run.err, "input_text needs a tokenizer")) << run.err;
   run = m3cli("--server " + server.address() + " converse --input ids --max-new-tokens 2", "hello\n1,2\n");
@@ -277,7 +278,7 @@ TEST(ClientSupport, Utf8IsCheckedStrictly) {
 
 TEST(M3cli, InfoPrintsTheModel) {
   ScriptedServer server;
-  const CliRun run = m3cli("--server " + server.address() + " info");
+  const ToolRun run = m3cli("--server " + server.address() + " info");
   EXPECT_EQ(run.exit_code, 0) << run.err;
   EXPECT_TRUE(contains(run.out, "model:         scripted\n")) << run.out;
   EXPECT_TRUE(contains(run.out, "vocab:         100 (padded 128)\n")) << run.out;
@@ -286,7 +287,7 @@ TEST(M3cli, InfoPrintsTheModel) {
 
 TEST(M3cli, HealthFollowsTheServingStatus) {
   ScriptedServer server;
-  CliRun run = m3cli("--server " + server.address() + " health");
+  ToolRun run = m3cli("--server " + server.address() + " health");
   EXPECT_EQ(run.exit_code, 0) << run.err;
   EXPECT_EQ(run.out, "SERVING\n");
 
@@ -302,7 +303,7 @@ TEST(M3cli, HealthFollowsTheServingStatus) {
 
 TEST(M3cli, AnUnreachableServerIsNamed) {
   // Port 1 on loopback: nothing listens there.
-  const CliRun run = m3cli("--server 127.0.0.1:1 --connect-timeout 0.5 info");
+  const ToolRun run = m3cli("--server 127.0.0.1:1 --connect-timeout 0.5 info");
   EXPECT_EQ(run.exit_code, 1);
   EXPECT_TRUE(contains(run.err, "m3cli: cannot reach the server at 127.0.0.1:1")) << run.err;
 }
@@ -310,7 +311,7 @@ TEST(M3cli, AnUnreachableServerIsNamed) {
 TEST(M3cli, UsageMistakesExitTwoWithTheReason) {
   EXPECT_TRUE(contains(m3cli("").err, "m3cli: no command given"));
   EXPECT_TRUE(contains(m3cli("launch").err, "m3cli: unknown command 'launch'"));
-  CliRun run = m3cli("generate --ids 1,x");
+  ToolRun run = m3cli("generate --ids 1,x");
   EXPECT_EQ(run.exit_code, 2);
   EXPECT_TRUE(contains(run.err, "'x' is not a token id")) << run.err;
   run = m3cli("generate --ids 1 --text hi");
@@ -330,7 +331,7 @@ TEST(M3cli, UsageMistakesExitTwoWithTheReason) {
 TEST(M3cli, ReplaysAnySeedTheServerCanReport) {
   // Seeds are uint64: the server draws seeds above INT64_MAX as often as below.
   ScriptedServer server;
-  CliRun run = m3cli("--server " + server.address() +
+  ToolRun run = m3cli("--server " + server.address() +
                      " generate --ids 1 --max-new-tokens 1 --seed 18446744073709551615");
   EXPECT_EQ(run.exit_code, 0) << run.err;
   EXPECT_TRUE(contains(run.err, "seed 18446744073709551615\n")) << run.err;
@@ -357,11 +358,11 @@ TEST(M3cli, TokenIdListsRefuseEmptyItems) {
   // Port 1: nothing listens there; an accepted list would show as "cannot reach" (exit 1).
   const std::string unreachable = "--server 127.0.0.1:1 --connect-timeout 0.2 ";
   for (const std::string& ids : {"1,,3", "1,3,", ",1", "'1, ,3'", "'1 , , 3'"}) {
-    const CliRun run = m3cli(unreachable + "generate --ids " + ids);
+    const ToolRun run = m3cli(unreachable + "generate --ids " + ids);
     EXPECT_EQ(run.exit_code, 2) << ids;
     EXPECT_TRUE(contains(run.err, "empty item in the token id list")) << ids << ": " << run.err;
   }
-  const CliRun run = m3cli(unreachable + "generate --ids 1 --stop 7,,8");
+  const ToolRun run = m3cli(unreachable + "generate --ids 1 --stop 7,,8");
   EXPECT_EQ(run.exit_code, 2);
   EXPECT_TRUE(contains(run.err, "empty item in the token id list '7,,8'")) << run.err;
 }
@@ -394,12 +395,12 @@ TEST(M3cli, SecondsFlagsAreBounded) {
   for (const auto& [args, message] : bad) {
     // Port 1: a flag that got past the check would show as "cannot reach" (exit 1). The
     // later --connect-timeout wins.
-    const CliRun run = m3cli("--server 127.0.0.1:1 --connect-timeout 0.2 " + args);
+    const ToolRun run = m3cli("--server 127.0.0.1:1 --connect-timeout 0.2 " + args);
     EXPECT_EQ(run.exit_code, 2) << args << ": " << run.err;
     EXPECT_TRUE(contains(run.err, message)) << args << ": " << run.err;
   }
   ScriptedServer server;
-  CliRun run = m3cli("--server " + server.address() + " --connect-timeout 1000000 --timeout 2.5 info");
+  ToolRun run = m3cli("--server " + server.address() + " --connect-timeout 1000000 --timeout 2.5 info");
   EXPECT_EQ(run.exit_code, 0) << run.err;
   // A deadline below a millisecond is a millisecond, not none: far too short for a long reply.
   run = m3cli("--server " + server.address() + " --timeout 0.0001 generate --ids 1 --max-new-tokens 20000");
@@ -410,7 +411,7 @@ TEST(M3cli, SecondsFlagsAreBounded) {
 TEST(M3cli, EveryFlagIsCheckedBeforeConnecting) {
   // Port 1: nothing listens there; a usage mistake must win over "cannot reach" (exit 1).
   const std::string unreachable = "--server 127.0.0.1:1 --connect-timeout 0.2 ";
-  CliRun run = m3cli(unreachable + "generate --ids 1 --print words");
+  ToolRun run = m3cli(unreachable + "generate --ids 1 --print words");
   EXPECT_EQ(run.exit_code, 2) << run.err;
   EXPECT_TRUE(contains(run.err, "--print: 'words' is not auto, ids or text")) << run.err;
   run = m3cli(unreachable + "converse --print words");
@@ -512,25 +513,7 @@ TEST(BenchServe, SecondsFlagsAreBounded) {
 }
 
 // m3bench decode as a program: its flags are checked before anything else (CUDA or not).
-struct ToolRun {
-  int exit_code = -1;
-  std::string out, err;
-};
-
-ToolRun m3bench(const std::string& args) {
-  const std::string dir = make_own_dir("m3bench");
-  if (dir.empty()) return {};
-  const std::string out = dir + "/out", err = dir + "/err";
-  const int status =
-      std::system((std::string(M3_TEST_M3BENCH) + " " + args + " >" + out + " 2>" + err).c_str());
-  auto slurp = [](const std::string& path) {
-    std::ifstream file(path);
-    return std::string(std::istreambuf_iterator<char>(file), {});
-  };
-  ToolRun run{WIFEXITED(status) ? WEXITSTATUS(status) : -1, slurp(out), slurp(err)};
-  std::filesystem::remove_all(dir);
-  return run;
-}
+ToolRun m3bench(const std::string& args) { return run_tool(M3_TEST_M3BENCH, args); }
 
 TEST(BenchDecode, BadFlagsNameTheFlagAndTheValue) {
   const std::vector<std::pair<std::string, std::string>> bad = {
