@@ -40,13 +40,13 @@ size_t StalledStreams::cut(Clock::time_point now, Clock::duration stall) {
     ++kept;
   }
   walking_.erase(walking_.begin() + static_cast<std::ptrdiff_t>(kept), walking_.end());  // survivors stay
-  walking_size_.store(kept, std::memory_order_relaxed);
   return cancelled;
 }
 
 size_t StalledStreams::size() const {
+  std::lock_guard cut_lock(cut_mu_);  // (cut()'s order: cut_mu_, then mu_)
   std::lock_guard lock(mu_);
-  return closing_.size() + walking_size_.load(std::memory_order_relaxed);
+  return closing_.size() + walking_.size();
 }
 
 }  // namespace m3

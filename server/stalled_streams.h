@@ -8,7 +8,6 @@
 // status (RESOURCE_EXHAUSTED for a reader that fell behind).
 #pragma once
 
-#include <atomic>
 #include <cstddef>
 #include <memory>
 #include <mutex>
@@ -41,8 +40,7 @@ class StalledStreams {
   mutable std::mutex mu_;
   std::vector<Closing> closing_;
   std::vector<Closing> walking_;  // cut()'s, under cut_mu_ (survivors of earlier cuts)
-  std::atomic<size_t> walking_size_{0};
-  std::mutex cut_mu_;             // one cut() at a time
+  mutable std::mutex cut_mu_;     // one cut() at a time
 };
 
 }  // namespace m3
