@@ -1,5 +1,7 @@
 # syntax=docker/dockerfile:1
-# m3serve container image (DRAFT: written without a Docker engine at hand, not yet built).
+# m3serve container image. Written without a Docker engine at hand: the build stage has not
+# been built; the runtime stage is checked by scripts/check_runtime_stage.sh (a debootstrapped
+# Debian 12 with this stage's packages, user, files and environment, serving the demo model).
 #
 #   docker build -t m3serve .
 #   docker run --gpus all --stop-timeout 20 -p 50051:50051 -p 9464:9464 m3serve   # demo model
