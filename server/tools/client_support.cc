@@ -188,6 +188,49 @@ bool valid_utf8(std::string_view text) {
   return true;
 }
 
+std::string TerminalText::feed(std::string_view piece) {
+  constexpr unsigned char kC1Lead = 0xC2;  // U+0080-U+009F are C2 80 - C2 9F
+  std::string out;
+  out.reserve(piece.size() + (held_lead_ ? 1 : 0));
+  std::string joined;
+  if (held_lead_) {
+    joined.reserve(piece.size() + 1);
+    joined.push_back(static_cast<char>(kC1Lead));
+    joined.append(piece);
+    piece = joined;
+    held_lead_ = false;
+  }
+  char escape[8];
+  for (size_t i = 0; i < piece.size(); ++i) {
+    const auto c = static_cast<unsigned char>(piece[i]);
+    if (c == kC1Lead) {
+      if (i + 1 == piece.size()) {
+        held_lead_ = true;
+        break;
+      }
+      const auto next = static_cast<unsigned char>(piece[i + 1]);
+      if (next >= 0x80 && next <= 0x9F) {
+        std::snprintf(escape, sizeof escape, "\\u%04x", next);
+        out += escape;
+        ++i;
+        continue;
+      }
+    } else if ((c < 0x20 && c != '\n' && c != '\t') || c == 0x7F) {
+      std::snprintf(escape, sizeof escape, "\\x%02x", c);
+      out += escape;
+      continue;
+    }
+    out.push_back(static_cast<char>(c));
+  }
+  return out;
+}
+
+std::string TerminalText::finish() {
+  if (!held_lead_) return {};
+  held_lead_ = false;
+  return std::string(1, '\xC2');
+}
+
 std::shared_ptr<grpc::Channel> connect(const std::string& address,
                                        std::chrono::milliseconds wait) {
   auto channel = grpc::CreateChannel(address, grpc::InsecureChannelCredentials());

@@ -57,6 +57,21 @@ bool looks_like_id_list(std::string_view text);
 // never reaches the server's service.
 bool valid_utf8(std::string_view text);
 
+// Model text made safe to show on a terminal: control characters other than newline and
+// tab (C0 and DEL, written \x1b, and C1, U+0080-U+009F, which terminals may take as the
+// start of an escape sequence, written \u009b) become visible escapes; everything else
+// passes unchanged. Fed a stream's text pieces in order: a piece that ends inside a C1
+// character's UTF-8 form leaves its first byte held until the next piece.
+class TerminalText {
+ public:
+  std::string feed(std::string_view piece);
+  // What is still held (a lone lead byte when the stream ended there), unchanged.
+  std::string finish();
+
+ private:
+  bool held_lead_ = false;
+};
+
 // An insecure channel to `address`, connected within `wait`; otherwise throws
 // std::runtime_error "cannot reach the server at <address> (...)".
 std::shared_ptr<grpc::Channel> connect(const std::string& address,

@@ -33,7 +33,8 @@ commands:
   --input: what a line is; auto: token ids when it is only numbers ("1,2,3", "4 5"),
       else text (--input text sends "2024" as text)
   --print: the reply as text or ids; auto: text for text input, ids for ids
-  text must be valid UTF-8 (a line that is not is not sent)
+  text must be valid UTF-8 (a line that is not is not sent); text printed to a terminal
+      shows its control characters as escapes (\x1b), piped it is written as received
   info                                   the served model
   health [--service NAME]                grpc.health.v1 Check; exit 0 only when SERVING
 
@@ -119,14 +120,18 @@ PrintMode print_mode(const Flags& flags) {
   throw UsageError("--print: '" + mode + "' is not auto, ids or text");
 }
 
+// Text goes to a terminal with its control characters shown as escapes (model output must
+// not move the cursor, clear the screen or retitle the window); piped, as the server sent it.
 class TokenPrinter {
  public:
   TokenPrinter(PrintMode mode, bool input_was_text)
-      : text_(mode == PrintMode::kText || (mode == PrintMode::kAuto && input_was_text)) {}
+      : text_(mode == PrintMode::kText || (mode == PrintMode::kAuto && input_was_text)) {
+    if (text_ && isatty(STDOUT_FILENO)) terminal_.emplace();
+  }
 
   void print(const m3serve::v1::Tokens& tokens) {
     if (text_) {
-      std::fwrite(tokens.text().data(), 1, tokens.text().size(), stdout);
+      write(terminal_ ? terminal_->feed(tokens.text()) : tokens.text());
       printed_ = printed_ || !tokens.text().empty();
     } else {
       for (int32_t id : tokens.ids()) {
@@ -138,13 +143,17 @@ class TokenPrinter {
   }
   // Ends the output line, if anything was printed on it (or always: one line per turn).
   void end_line(bool always = false) {
+    if (terminal_) write(terminal_->finish());
     if (printed_ || always) std::fputc('\n', stdout);
     std::fflush(stdout);
     printed_ = false;
   }
 
  private:
+  static void write(const std::string& text) { std::fwrite(text.data(), 1, text.size(), stdout); }
+
   bool text_;
+  std::optional<m3::client::TerminalText> terminal_;
   bool printed_ = false;
 };
 

@@ -13,6 +13,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <memory>
 #include <numeric>
 #include <string>
@@ -29,7 +30,7 @@ namespace {
 constexpr uint32_t kVocab = 100;
 
 // Generate: token i of the reply is (sum of prompt ids + i) % kVocab, one per message
-// with the text "t<id> ",
+// with the text "t<id> " (or text_of_id's),
 // ending early after a stop id; request ids ending in refused_id_suffix are refused as
 // over capacity.
 // Converse: each turn replies with (turn*10 + number of
@@ -37,6 +38,7 @@ constexpr uint32_t kVocab = 100;
 class ScriptedService final : public m3serve::v1::M3Serve::Service {
  public:
   char refused_id_suffix = 0;
+  std::map<int32_t, std::string> text_of_id;
 
   grpc::Status Generate(grpc::ServerContext*, const m3serve::v1::GenerateRequest* request,
                         grpc::ServerWriter<m3serve::v1::GenerateResponse>* writer) override {
@@ -55,7 +57,8 @@ class ScriptedService final : public m3serve::v1::M3Serve::Service {
       const int32_t id = static_cast<int32_t>((base + made) % kVocab);
       m3serve::v1::GenerateResponse response;
       response.mutable_tokens()->add_ids(id);
-      response.mutable_tokens()->set_text("t" + std::to_string(id) + " ");
+      const auto text = text_of_id.find(id);
+      response.mutable_tokens()->set_text(text != text_of_id.end() ? text->second : "t" + std::to_string(id) + " ");
       writer->Write(response);
       ++made;
       const auto& stops = request->stop_token_ids();
@@ -274,6 +277,40 @@ TEST(ClientSupport, Utf8IsCheckedStrictly) {
                                 std::string("\xf8\x88\x80\x80\x80")}) {
     EXPECT_FALSE(client::valid_utf8(bad)) << bad;
   }
+}
+
+TEST(ClientSupport, TerminalTextEscapesControlCharacters) {
+  using namespace std::string_literals;
+  client::TerminalText terminal;
+  EXPECT_EQ(terminal.feed("plain caf\xc3\xa9\tline\n"), "plain caf\xc3\xa9\tline\n");
+  EXPECT_EQ(terminal.feed("\x1b[2J\r\x07\x7f\x00x"s), "\\x1b[2J\\x0d\\x07\\x7f\\x00x");
+  EXPECT_EQ(terminal.feed("a\xc2\x9b" "31m\xc2\xa0"), "a\\u009b31m\xc2\xa0");  // CSI in C1 form; NBSP kept
+  // A C1 character split over two pieces, and a lead byte the stream ends on.
+  EXPECT_EQ(terminal.feed("x\xc2"), "x");
+  EXPECT_EQ(terminal.feed("\x9dy"), "\\u009dy");
+  EXPECT_EQ(terminal.feed("z\xc2"), "z");
+  EXPECT_EQ(terminal.feed("\xa9"), "\xc2\xa9");
+  EXPECT_EQ(terminal.feed("\xc2"), "");
+  EXPECT_EQ(terminal.finish(), "\xc2");
+  EXPECT_EQ(terminal.finish(), "");
+}
+
+// Model text with control characters: piped, m3cli writes it as received; on a terminal
+// (a pseudo-terminal from util-linux's `script`), as visible escapes.
+TEST(M3cli, TextOnATerminalShowsControlCharactersAsEscapes) {
+  ScriptedServer server;
+  server.service().text_of_id[6] = "\x1b]0;owned\x07";
+  server.service().text_of_id[7] = "\x1b[2J";
+  const std::string args = " --server " + server.address() + " generate --ids 1,2,3 --max-new-tokens 3 --print text";
+  ToolRun run = m3cli(args);
+  EXPECT_EQ(run.exit_code, 0) << run.err;
+  EXPECT_EQ(run.out, "\x1b]0;owned\x07\x1b[2Jt8 \n");
+  if (std::system("script -qec true /dev/null >/dev/null 2>&1") != 0) {
+    GTEST_SKIP() << "util-linux's script cannot open a pseudo-terminal here";
+  }
+  run = run_tool("script", "-qec '" M3_TEST_M3CLI + args + " 2>/dev/null' /dev/null");
+  EXPECT_EQ(run.exit_code, 0) << run.err;
+  EXPECT_EQ(run.out, "\\x1b]0;owned\\x07\\x1b[2Jt8 \r\n");
 }
 
 TEST(M3cli, InfoPrintsTheModel) {
