@@ -248,7 +248,8 @@ void ConverseReactor::OnDone() {
   // "ok". Only now, with the call done, is IsCancelled() certain; such an end is the
   // cancellation it was.
   const std::shared_ptr<Sequence> seq = session();
-  record_call_done(ctx_, *call_, "Converse", session_id_, start_, seq.get(), final_status_, final_message_);
+  record_call_done(ctx_, *call_, "Converse", session_id_, start_, seq.get(), writer_.tokens_sent(), final_status_,
+                   final_message_);
   delete this;
 }
 

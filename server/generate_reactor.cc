@@ -95,7 +95,8 @@ void GenerateReactor::cancel_call() { call_->TryCancel(); }
 void GenerateReactor::OnDone() {
   // A stream the engine finished can still be cancelled by its client (or its deadline)
   // while its last messages are on their way.
-  record_call_done(ctx_, *call_, "Generate", request_id_, start_, seq_.get(), final_status_, final_message_);
+  record_call_done(ctx_, *call_, "Generate", request_id_, start_, seq_.get(), writer_.tokens_sent(), final_status_,
+                   final_message_);
   delete this;
 }
 

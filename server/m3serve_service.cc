@@ -71,7 +71,7 @@ void request_cancel_for_call_end(Sequence& seq, const grpc::CallbackServerContex
 
 void record_call_done(ServiceContext& ctx, const grpc::CallbackServerContext& call, std::string_view method,
                       std::string_view request_id, Clock::time_point start, Sequence* seq,
-                      StreamStatus finished_with, const std::string& message) {
+                      uint64_t tokens_sent, StreamStatus finished_with, const std::string& message) {
   if (seq != nullptr) seq->detach_writer();
   CallEnd end{finished_with, message};
   if (finished_with == StreamStatus::kOk && seq != nullptr && seq->was_cut()) {
@@ -87,6 +87,7 @@ void record_call_done(ServiceContext& ctx, const grpc::CallbackServerContext& ca
   record.status = end.status;
   record.message = end.message;
   if (seq != nullptr) record.summary = seq->summary;
+  record.tokens_sent = tokens_sent;
   record.duration_ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
   record_request_end(ctx, record);
 }

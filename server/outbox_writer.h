@@ -2,10 +2,13 @@
 // Sequence's outbox holds into one response message at a time (tokens coalesced into one
 // Tokens message, then a turn end), and remembers a failed write (the call is gone):
 // after that nothing more is written, but the outbox is still drained to its close.
-// It counts the tokens it writes (m3serve_tokens_generated_total): tokens the outbox
-// drops (a slow reader's, or at an error) never reach the client and are not counted.
+// It counts the tokens it writes (m3serve_tokens_generated_total, and tokens_sent() for
+// the stream's log line): tokens the outbox drops (a slow reader's, or at an error) never
+// reach the client and are not counted.
 #pragma once
 
+#include <atomic>
+#include <cstdint>
 #include <memory>
 #include <optional>
 #include <string>
@@ -51,6 +54,7 @@ class OutboxWriter {
           fill_tokens(tokens_, detokenizer_.get(), &text_, response_.mutable_tokens());
           // Counted before the client can see them, so a scrape never lags a stream.
           if (metrics_) metrics_->add_tokens_generated(tokens_.size());
+          tokens_sent_.fetch_add(tokens_.size(), std::memory_order_relaxed);
           write(&response_);
           return;
         case TokenOutbox::Item::kTurnEnd:
@@ -72,6 +76,9 @@ class OutboxWriter {
       }
     }
   }
+
+  // Tokens written to the stream so far (what the metric counted for it).
+  uint64_t tokens_sent() const { return tokens_sent_.load(std::memory_order_relaxed); }
 
   // After a write completes: true the first time a write failed, when the caller must
   // cancel the sequence (the scheduler then frees its slot and closes the outbox).
@@ -103,6 +110,8 @@ class OutboxWriter {
   std::string text_;
   std::optional<TurnEnd> held_turn_end_;  // to write after the held text (see drain)
   bool write_failed_ = false;
+  // Read at the call's end, on the reactor's thread rather than the writer turn's.
+  std::atomic<uint64_t> tokens_sent_{0};
 };
 
 }  // namespace m3

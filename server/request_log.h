@@ -23,6 +23,7 @@ struct RequestRecord {
   StreamStatus status = StreamStatus::kOk;
   std::string_view message;  // the error message, if any
   SequenceSummary summary;
+  uint64_t tokens_sent = 0;  // written to the stream: summary's generated tokens less those dropped
   double duration_ms = 0;
 };
 

@@ -63,7 +63,7 @@ CallEnd call_end_reason(const grpc::CallbackServerContext& call);
 // got CANCELLED, not what was sent.
 void record_call_done(ServiceContext& ctx, const grpc::CallbackServerContext& call, std::string_view method,
                       std::string_view request_id, Clock::time_point start, Sequence* seq,
-                      StreamStatus finished_with, const std::string& message);
+                      uint64_t tokens_sent, StreamStatus finished_with, const std::string& message);
 // Ends the sequence at the next token boundary with call_end_reason(call).
 void request_cancel_for_call_end(Sequence& seq, const grpc::CallbackServerContext& call);
 // After a stream ends: the request counter, the duration histogram, the log line.

@@ -953,6 +953,18 @@ TEST(ServerTest, SlowReaderIsCancelledAndOthersGoOn) {
   // unread tokens that were dropped, nor the one that overflowed its buffer.
   EXPECT_EQ(metric_value(server.app->metrics().serialize(), "m3serve_tokens_generated_total"),
             static_cast<double>(got.size() + other.tokens.size()));
+  // Its log line (written just after the request counter): the tokens generated for it,
+  // and the fewer that were sent.
+  std::string line;
+  EXPECT_TRUE(eventually([&] {
+    for (const std::string& l : server.sink->lines())
+      if (l.find("status=resource_exhausted") != std::string::npos) line = l;
+    return !line.empty();
+  }));
+  EXPECT_NE(line.find(" tokens_sent=" + std::to_string(got.size()) + " "), std::string::npos) << line;
+  const size_t out_at = line.find(" tokens_out=");
+  ASSERT_NE(out_at, std::string::npos) << line;
+  EXPECT_GT(std::stoul(line.substr(out_at + 12)), got.size()) << line;
 }
 
 // A client that never reads again: once the server has ended its stream (here for
