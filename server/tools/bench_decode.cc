@@ -1,7 +1,6 @@
 #include "server/tools/bench_decode.h"
 
 #include <algorithm>
-#include <charconv>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
@@ -11,7 +10,6 @@
 #include <stdexcept>
 #include <string>
 #include <string_view>
-#include <type_traits>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -19,6 +17,7 @@
 #include "model/config.h"
 #include "model/random_model.h"
 #include "model/weights.h"
+#include "server/tools/integer_text.h"
 #if defined(M3_WITH_CUDA)
 #include <unistd.h>
 
@@ -49,20 +48,13 @@ struct Options {
   bool per_kernel = false;
 };
 
-// The whole of `text` as an integer of [min, max]; otherwise an error naming the flag.
 template <typename Int>
-Int parse_integer(const std::string& flag, const std::string& text, Int min, Int max) {
+Int parse_integer(std::string_view flag, std::string_view text, Int min, Int max) {
   Int value = 0;
-  const auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), value);
-  if (error == std::errc() && end == text.data() + text.size() && value >= min && value <= max) {
-    return value;
+  if (std::string refusal = client::integer_refusal(flag, text, min, max, &value); !refusal.empty()) {
+    throw std::invalid_argument(refusal);
   }
-  if (error == std::errc::invalid_argument || (error == std::errc() && end != text.data() + text.size())) {
-    throw std::invalid_argument(flag + ": \"" + text + "\" is not " +
-                                (std::is_unsigned_v<Int> ? "a non-negative integer" : "an integer"));
-  }
-  throw std::invalid_argument(flag + ": " + text + " is outside [" + std::to_string(min) + ", " +
-                              std::to_string(max) + "]");
+  return value;
 }
 
 // "1,4,16": every entry a batch size, none empty.

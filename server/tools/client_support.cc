@@ -5,6 +5,8 @@
 #include <cstdint>
 #include <cmath>
 
+#include "server/tools/integer_text.h"
+
 namespace m3::client {
 
 Flags::Flags(const std::vector<std::string>& args,
@@ -56,13 +58,8 @@ int64_t Flags::get_int(std::string_view name, int64_t fallback, int64_t min, int
   const auto text = find(name);
   if (!text) return fallback;
   int64_t value = 0;
-  const auto [end, error] = std::from_chars(text->data(), text->data() + text->size(), value);
-  if (error != std::errc() || end != text->data() + text->size()) {
-    throw UsageError("--" + std::string(name) + ": '" + *text + "' is not an integer");
-  }
-  if (value < min || value > max) {
-    throw UsageError("--" + std::string(name) + ": " + *text + " is outside [" +
-                     std::to_string(min) + ", " + std::to_string(max) + "]");
+  if (std::string refusal = integer_refusal("--" + std::string(name), *text, min, max, &value); !refusal.empty()) {
+    throw UsageError(refusal);
   }
   return value;
 }
@@ -87,13 +84,9 @@ uint64_t Flags::get_uint64(std::string_view name, uint64_t fallback) const {
   const auto text = find(name);
   if (!text) return fallback;
   uint64_t value = 0;
-  const auto [end, error] = std::from_chars(text->data(), text->data() + text->size(), value);
-  if (error == std::errc::result_out_of_range) {
-    throw UsageError("--" + std::string(name) + ": " + *text + " is outside [0, " +
-                     std::to_string(UINT64_MAX) + "]");
-  }
-  if (error != std::errc() || end != text->data() + text->size()) {
-    throw UsageError("--" + std::string(name) + ": '" + *text + "' is not a non-negative integer");
+  if (std::string refusal = integer_refusal("--" + std::string(name), *text, uint64_t{0}, UINT64_MAX, &value);
+      !refusal.empty()) {
+    throw UsageError(refusal);
   }
   return value;
 }
