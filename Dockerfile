@@ -1,7 +1,8 @@
 # syntax=docker/dockerfile:1
-# m3serve container image. Written without a Docker engine at hand: the build stage has not
-# been built; the runtime stage is checked by scripts/check_runtime_stage.sh (a debootstrapped
-# Debian 12 with this stage's packages, user, files and environment, serving the demo model).
+# m3serve container image. Written without a Docker engine at hand, so never built as an
+# image; scripts/check_image_stages.sh runs both stages in debootstrapped Debian 12 roots with
+# their packages, files and commands as written here (NVIDIA's CUDA packages replaced by a
+# local CUDA 13 toolkit) and serves the demo model from the runtime stage as its user.
 #
 #   docker build -t m3serve .
 #   docker run --gpus all --stop-timeout 20 -p 50051:50051 -p 9464:9464 m3serve   # demo model
