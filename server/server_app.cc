@@ -15,6 +15,7 @@
 #include "model/tokenizer.h"
 #include "model/weights.h"
 #include "server/demo_model.h"
+#include "server/library_logs.h"
 #include "server/m3serve_service.h"
 #include "server/metrics.h"
 #include "server/request_log.h"
@@ -72,6 +73,7 @@ ServerApp::ServerApp(const ServerConfig& config, std::shared_ptr<spdlog::logger>
 
   metrics_ = std::make_unique<ServerMetrics>(config_.metrics_listen);
   request_log_ = std::make_unique<RequestLog>(logger_);
+  library_log_route_ = std::make_unique<LibraryLogRoute>(*request_log_);
   SchedulerOptions scheduler_options;
   scheduler_options.queue_capacity = config_.queue_capacity;
   scheduler_options.pipelined = config_.pipelined_steps;

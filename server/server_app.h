@@ -29,6 +29,7 @@ class ServerMetrics;
 class Scheduler;
 class StalledStreams;
 class RequestLog;
+class LibraryLogRoute;
 class M3ServeService;
 struct ServiceContext;
 
@@ -68,6 +69,8 @@ class ServerApp {
   std::unique_ptr<Tokenizer> tokenizer_;
   std::unique_ptr<ServerMetrics> metrics_;
   std::unique_ptr<RequestLog> request_log_;
+  // Protobuf's and gRPC's lines into request_log_ (rate-limited) until after server_ is gone.
+  std::unique_ptr<LibraryLogRoute> library_log_route_;
   std::unique_ptr<StalledStreams> stalled_streams_;  // (outlives the scheduler, which fills it)
   std::unique_ptr<Scheduler> scheduler_;
   std::unique_ptr<ServiceContext> context_;

@@ -1046,37 +1046,69 @@ TEST(ServerTest, ConcurrentStreamsShareEngineSteps) {
   EXPECT_GE(steps, 1502u);
 }
 
-// grpc.health.v1.Health/Check through a generic stub (its messages are tiny: field 1 =
-// the service name in the request, field 1 = status in the response). The response's
-// bytes, or the call's status when it fails.
-std::string health_check(TestServer& server, const std::string& service) {
+// One request of `method` as raw bytes through a generic stub, as a unary call: the
+// call's status and, when it is OK, the response's bytes.
+struct RawCall {
+  grpc::Status status;
+  std::string bytes;
+};
+RawCall raw_call(TestServer& server, const std::string& method, const std::string& request_bytes) {
   grpc::GenericStub generic(server.channel);
   grpc::CompletionQueue cq;
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + 5s);
-  std::string request_bytes;
-  if (!service.empty()) request_bytes = std::string("\x0a", 1) + static_cast<char>(service.size()) + service;
   grpc::Slice slice(request_bytes.data(), request_bytes.size());
   grpc::ByteBuffer request(&slice, 1), response;
-  auto call = generic.PrepareUnaryCall(&ctx, "/grpc.health.v1.Health/Check", request, &cq);
+  auto call = generic.PrepareUnaryCall(&ctx, method, request, &cq);
   call->StartCall();
-  grpc::Status status;
-  call->Finish(&response, &status, reinterpret_cast<void*>(1));
+  RawCall result;
+  call->Finish(&response, &result.status, reinterpret_cast<void*>(1));
   void* tag = nullptr;
   bool ok = false;
   EXPECT_TRUE(cq.Next(&tag, &ok));
-  std::string bytes;
-  if (status.ok()) {
+  if (result.status.ok()) {
     std::vector<grpc::Slice> slices;
     EXPECT_TRUE(response.Dump(&slices).ok());
-    for (const auto& s : slices) bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
-  } else {
-    bytes = "status " + std::to_string(status.error_code());
+    for (const auto& s : slices) result.bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
   }
   cq.Shutdown();
   while (cq.Next(&tag, &ok)) {
   }
-  return bytes;
+  return result;
+}
+
+// grpc.health.v1.Health/Check (its messages are tiny: field 1 = the service name in the
+// request, field 1 = status in the response). The response's bytes, or the call's status
+// when it fails.
+std::string health_check(TestServer& server, const std::string& service) {
+  std::string request_bytes;
+  if (!service.empty()) request_bytes = std::string("\x0a", 1) + static_cast<char>(service.size()) + service;
+  const RawCall call = raw_call(server, "/grpc.health.v1.Health/Check", request_bytes);
+  return call.status.ok() ? call.bytes : "status " + std::to_string(call.status.error_code());
+}
+
+// A request that protobuf cannot parse (text that is not UTF-8) fails inside gRPC, and
+// protobuf writes a line about each one: those lines reach the server's log, rate-limited
+// like its own warnings, instead of stderr one a request.
+TEST(ServerTest, ProtobufLinesAboutUnparsableRequestsAreRateLimitedInTheLog) {
+  TestServer server;
+  // GenerateRequest{prompt_text: "a\xff", max_new_tokens: 2}
+  const std::string not_utf8("\x1a\x02"
+                             "a\xff"
+                             "\x20\x02",
+                             6);
+  for (int i = 0; i < 20; ++i) {
+    EXPECT_FALSE(raw_call(server, "/m3serve.v1.M3Serve/Generate", not_utf8).status.ok()) << i;
+  }
+  size_t routed = 0;
+  for (const std::string& line : server.sink->lines())
+    if (line.rfind("protobuf: String field 'm3serve.v1.GenerateRequest.prompt_text' contains invalid UTF-8", 0) == 0)
+      ++routed;
+  EXPECT_GE(routed, 1u);
+  EXPECT_LE(routed, 5u);  // RequestLog's burst a kind
+  const GenerateResult after = generate(*server.stub, generate_request(kPrompt, 3));
+  EXPECT_TRUE(after.status.ok()) << after.status.error_message();
+  EXPECT_EQ(after.tokens, engine_generate(kPrompt, 3));
 }
 
 TEST(ServerTest, HealthServiceSaysServing) {
