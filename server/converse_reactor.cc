@@ -18,7 +18,7 @@ ConverseReactor::ConverseReactor(ServiceContext& ctx, grpc::CallbackServerContex
                    "retry later");
       return;
   }
-  StartRead(&request_);
+  StartRead(&request_bytes_);
 }
 
 void ConverseReactor::OnReadDone(bool ok) {
@@ -33,7 +33,11 @@ void ConverseReactor::OnReadDone(bool ok) {
     return;
   }
   ++messages_read_;
-  if (handle(request_) == Handled::kContinue) StartRead(&request_);
+  if (!parse_message(&request_bytes_, &request_)) {
+    fail("message " + std::to_string(messages_read_) + " " + kUnparsableMessage);
+    return;
+  }
+  if (handle(request_) == Handled::kContinue) StartRead(&request_bytes_);
 }
 
 ConverseReactor::Handled ConverseReactor::handle(const v1::ConverseRequest& r) {
@@ -210,7 +214,7 @@ void ConverseReactor::flush() {
     fill_timings(end.stats, f->mutable_timings());
     f->set_seed(seed);
   };
-  writer_.drain(*seq_, fill_turn_finished, [this](v1::ConverseResponse* response) { StartWrite(response); },
+  writer_.drain(*seq_, fill_turn_finished, [this](const grpc::ByteBuffer* bytes) { StartWrite(bytes); },
                 [this](StreamStatus status, const std::string& message) { complete(status, message); });
 }
 

@@ -23,7 +23,7 @@
 namespace m3 {
 
 class ConverseReactor final
-    : public grpc::ServerBidiReactor<v1::ConverseRequest, v1::ConverseResponse>,
+    : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>,  // (wire_messages.h)
       public StreamWriter,
       public UnstartedSessions::Stream {
  public:
@@ -58,6 +58,7 @@ class ConverseReactor final
   std::string session_id_;
 
   // Reader state (gRPC read callbacks run one at a time).
+  grpc::ByteBuffer request_bytes_;
   v1::ConverseRequest request_;
   v1::SessionConfig config_;
   uint64_t messages_read_ = 0;

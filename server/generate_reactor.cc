@@ -5,12 +5,23 @@
 namespace m3 {
 
 GenerateReactor::GenerateReactor(ServiceContext& ctx, grpc::CallbackServerContext* call,
-                                 const v1::GenerateRequest* request)
+                                 const grpc::ByteBuffer* request_bytes)
     : ctx_(ctx), call_(call), start_(Clock::now()), writer_(ctx) {
-  request_id_ = id_to_log(*request);
+  v1::GenerateRequest request;
+  grpc::ByteBuffer bytes(*request_bytes);  // (shares the slices; parsing empties it)
+  if (!parse_message(&bytes, &request)) {
+    request_id_ = ctx_.make_request_id("gen-");
+    complete(StreamStatus::kInvalidArgument, std::string("the request ") + kUnparsableMessage);
+    return;
+  }
+  start(request);
+}
+
+void GenerateReactor::start(const v1::GenerateRequest& request) {
+  request_id_ = id_to_log(request);
   std::vector<int32_t> prompt;
-  std::string error = check_generate_request(*request, ctx.limits);
-  if (error.empty()) error = read_prompt(*request, &prompt);
+  std::string error = check_generate_request(request, ctx_.limits);
+  if (error.empty()) error = read_prompt(request, &prompt);
   if (!error.empty()) {
     complete(StreamStatus::kInvalidArgument, error);
     return;
@@ -18,19 +29,19 @@ GenerateReactor::GenerateReactor(ServiceContext& ctx, grpc::CallbackServerContex
 
   SequenceParams params;
   params.request_id = request_id_;
-  params.sampling = engine_sampling(request->sampling());
+  params.sampling = engine_sampling(request.sampling());
   seed_ = params.sampling.seed;
-  params.max_new_tokens = request->max_new_tokens();
-  params.stop_token_ids.assign(request->stop_token_ids().begin(), request->stop_token_ids().end());
-  params.deadline = steady_deadline(call->deadline());
+  params.max_new_tokens = request.max_new_tokens();
+  params.stop_token_ids.assign(request.stop_token_ids().begin(), request.stop_token_ids().end());
+  params.deadline = steady_deadline(call_->deadline());
 
   // It never holds more unread tokens than it may generate.
-  const size_t buffer = std::min<size_t>(ctx.stream_buffer_tokens, request->max_new_tokens());
+  const size_t buffer = std::min<size_t>(ctx_.stream_buffer_tokens, request.max_new_tokens());
   seq_ = std::make_shared<Sequence>(std::move(params), buffer, this);
   seq_->add_input(prompt);
-  seq_->end_turn(request->max_new_tokens());
+  seq_->end_turn(request.max_new_tokens());
   seq_->close_input();
-  Scheduler::Admission admission = ctx.scheduler->submit(seq_);
+  Scheduler::Admission admission = ctx_.scheduler->submit(seq_);
   if (admission.status != StreamStatus::kOk) complete(admission.status, admission.message);
 }
 
@@ -71,7 +82,7 @@ void GenerateReactor::flush() {
     fill_timings(end.stats, f->mutable_timings());
     f->set_seed(seed_);
   };
-  writer_.drain(*seq_, fill_finished, [this](v1::GenerateResponse* response) { StartWrite(response); },
+  writer_.drain(*seq_, fill_finished, [this](const grpc::ByteBuffer* bytes) { StartWrite(bytes); },
                 [this](StreamStatus status, const std::string& message) { complete(status, message); });
 }
 

@@ -1,5 +1,6 @@
-// One Generate stream: validates the request, hands a Sequence to the scheduler and
-// writes what its outbox receives (coalesced Tokens messages, then Finished).
+// One Generate stream: parses and validates the request, hands a Sequence to the
+// scheduler and writes what its outbox receives (coalesced Tokens messages, then
+// Finished). The stream carries bytes (wire_messages.h).
 #pragma once
 
 #include <memory>
@@ -14,11 +15,10 @@
 
 namespace m3 {
 
-class GenerateReactor final : public grpc::ServerWriteReactor<v1::GenerateResponse>,
+class GenerateReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer>,
                               public StreamWriter {
  public:
-  GenerateReactor(ServiceContext& ctx, grpc::CallbackServerContext* call,
-                  const v1::GenerateRequest* request);
+  GenerateReactor(ServiceContext& ctx, grpc::CallbackServerContext* call, const grpc::ByteBuffer* request_bytes);
 
   void flush() override;
   void cancel_call() override;
@@ -27,6 +27,8 @@ class GenerateReactor final : public grpc::ServerWriteReactor<v1::GenerateRespon
   void OnDone() override;
 
  private:
+  // Everything after the request is parsed.
+  void start(const v1::GenerateRequest& request);
   // The request's id when it is valid, else one the server makes.
   std::string id_to_log(const v1::GenerateRequest& request);
   // Returns "" or the INVALID_ARGUMENT message.

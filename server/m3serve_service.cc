@@ -105,13 +105,12 @@ void record_request_end(ServiceContext& ctx, const RequestRecord& record) {
   }
 }
 
-grpc::ServerWriteReactor<v1::GenerateResponse>* M3ServeService::Generate(
-    grpc::CallbackServerContext* call, const v1::GenerateRequest* request) {
+grpc::ServerWriteReactor<grpc::ByteBuffer>* M3ServeService::Generate(grpc::CallbackServerContext* call,
+                                                                     const grpc::ByteBuffer* request) {
   return new GenerateReactor(context_, call, request);
 }
 
-grpc::ServerBidiReactor<v1::ConverseRequest, v1::ConverseResponse>* M3ServeService::Converse(
-    grpc::CallbackServerContext* call) {
+grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* M3ServeService::Converse(grpc::CallbackServerContext* call) {
   return new ConverseReactor(context_, call);
 }
 

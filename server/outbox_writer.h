@@ -1,6 +1,7 @@
 // The writer half shared by the stream reactors (Generate, Converse): turns what a
 // Sequence's outbox holds into one response message at a time (tokens coalesced into one
-// Tokens message, then a turn end), and remembers a failed write (the call is gone):
+// Tokens message, then a turn end), serialized for the reactor's StartWrite (the streams
+// write bytes: wire_messages.h), and remembers a failed write (the call is gone):
 // after that nothing more is written, but the outbox is still drained to its close.
 // It counts the tokens it writes (m3serve_tokens_generated_total, and tokens_sent() for
 // the stream's log line): tokens the outbox drops (a slow reader's, or at an error) never
@@ -19,6 +20,7 @@
 #include "server/metrics.h"
 #include "server/sequence.h"
 #include "server/service_context.h"
+#include "server/wire_messages.h"
 
 namespace m3 {
 
@@ -30,7 +32,7 @@ class OutboxWriter {
     tokens_.reserve(ctx.stream_buffer_tokens);
   }
 
-  // Takes the outbox's next items until one makes a message, which goes to write(response)
+  // Takes the outbox's next items until one makes a message, which goes to write(bytes)
   // (a gRPC write; its completion calls drain again), or the stream is closed, which goes
   // to close(status, message), or nothing is left (the flusher calls again when there is).
   // fill_turn_end(const TurnEnd&, Response*) writes a turn end into the response.
@@ -40,7 +42,7 @@ class OutboxWriter {
       const TurnEnd end = *std::exchange(held_turn_end_, std::nullopt);
       if (!write_failed_) {
         fill_turn_end(end, &response_);
-        write(&response_);
+        write(wire(response_));
         return;
       }
     }
@@ -55,7 +57,7 @@ class OutboxWriter {
           // Counted before the client can see them, so a scrape never lags a stream.
           if (metrics_) metrics_->add_tokens_generated(tokens_.size());
           tokens_sent_.fetch_add(tokens_.size(), std::memory_order_relaxed);
-          write(&response_);
+          write(wire(response_));
           return;
         case TokenOutbox::Item::kTurnEnd:
           if (write_failed_) continue;
@@ -64,11 +66,11 @@ class OutboxWriter {
           // next turn's text; the turn end follows.
           if (flush_held_text()) {
             held_turn_end_ = item.turn_end;
-            write(&response_);
+            write(wire(response_));
             return;
           }
           fill_turn_end(item.turn_end, &response_);
-          write(&response_);
+          write(wire(response_));
           return;
         case TokenOutbox::Item::kClosed:
           close(item.status, item.message);
@@ -89,6 +91,12 @@ class OutboxWriter {
   }
 
  private:
+  // The message as the bytes of the next write (kept until it completes).
+  const grpc::ByteBuffer* wire(const Response& response) {
+    serialize_message(response, &wire_);
+    return &wire_;
+  }
+
   // Puts the detokenizer's held-back text, if any, into response_ as a Tokens message
   // with no ids; false when there is none.
   bool flush_held_text() {
@@ -105,6 +113,7 @@ class OutboxWriter {
   ServerMetrics* metrics_;  // may be null
   // Touched only by whoever holds the outbox's writer turn.
   Response response_;
+  grpc::ByteBuffer wire_;
   std::vector<int32_t> tokens_;
   std::unique_ptr<StreamDetokenizer> detokenizer_;
   std::string text_;

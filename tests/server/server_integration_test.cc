@@ -794,7 +794,7 @@ TEST(ServerTest, ARefusedRequestIdIsNotLogged) {
 TEST(ServerTest, ConverseProtocolErrorsAreInvalidArgument) {
   TestServer server;
   v1::ConverseRequest config, input, bad_input, end, empty, text, long_reply, end_no_limit;
-  v1::ConverseRequest bad_id, huge_limit, bad_top_p, bad_stop, long_turn;
+  v1::ConverseRequest bad_id, huge_limit, bad_top_p, bad_stop, long_turn, not_utf8;
   config.mutable_config()->set_max_new_tokens(4);
   bad_id.mutable_config()->set_session_id("line\nbreak");
   huge_limit.mutable_config()->set_max_new_tokens(200000);
@@ -805,6 +805,7 @@ TEST(ServerTest, ConverseProtocolErrorsAreInvalidArgument) {
   bad_input.mutable_input()->add_ids(600);
   end.mutable_end_turn();
   text.set_input_text("hi");
+  not_utf8.set_input_text("caf\xe9");  // (the client's protobuf sends it, saying so in its log)
   long_reply.mutable_end_turn()->set_max_new_tokens(200000);
   end_no_limit.mutable_end_turn();
   struct Case {
@@ -832,6 +833,8 @@ TEST(ServerTest, ConverseProtocolErrorsAreInvalidArgument) {
       {{bad_stop, input, end}, "config.stop_token_ids[0] = 600 is outside the model's vocabulary [0, 512)"},
       // (Turns count from 0, as TurnFinished.turn does.)
       {{config, long_turn, end}, "turn 0 has 8193 input tokens, this server's limit is 8192 (max_prompt_tokens)"},
+      {{config, not_utf8},
+       "message 2 could not be parsed as this method's request: protobuf requires its text fields to be valid UTF-8"},
   };
   for (const Case& c : cases) {
     grpc::Status status = converse_status(*server.stub, c.messages);
@@ -1087,10 +1090,11 @@ std::string health_check(TestServer& server, const std::string& service) {
   return call.status.ok() ? call.bytes : "status " + std::to_string(call.status.error_code());
 }
 
-// A request that protobuf cannot parse (text that is not UTF-8) fails inside gRPC, and
+// A request that protobuf cannot parse (text that is not UTF-8) is refused by the server
+// (gRPC alone failed it with UNIMPLEMENTED and no message, unseen by the server), and
 // protobuf writes a line about each one: those lines reach the server's log, rate-limited
 // like its own warnings, instead of stderr one a request.
-TEST(ServerTest, ProtobufLinesAboutUnparsableRequestsAreRateLimitedInTheLog) {
+TEST(ServerTest, UnparsableRequestsAreInvalidArgumentAndProtobufsLinesRateLimited) {
   TestServer server;
   // GenerateRequest{prompt_text: "a\xff", max_new_tokens: 2}
   const std::string not_utf8("\x1a\x02"
@@ -1098,8 +1102,13 @@ TEST(ServerTest, ProtobufLinesAboutUnparsableRequestsAreRateLimitedInTheLog) {
                              "\x20\x02",
                              6);
   for (int i = 0; i < 20; ++i) {
-    EXPECT_FALSE(raw_call(server, "/m3serve.v1.M3Serve/Generate", not_utf8).status.ok()) << i;
+    const grpc::Status status = raw_call(server, "/m3serve.v1.M3Serve/Generate", not_utf8).status;
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << i;
+    EXPECT_EQ(status.error_message(),
+              "the request could not be parsed as this method's request: protobuf requires its text fields to "
+              "be valid UTF-8");
   }
+  EXPECT_TRUE(wait_for_requests(*server.app, "invalid_argument", 20));
   size_t routed = 0;
   for (const std::string& line : server.sink->lines())
     if (line.rfind("protobuf: String field 'm3serve.v1.GenerateRequest.prompt_text' contains invalid UTF-8", 0) == 0)

@@ -159,9 +159,12 @@ TEST(ServerTextTest, AReplyEndingInsideACharacterEndsItsTextWithAReplacementChar
   for (int i = 0; i < 16 && !closed; ++i) {
     writer.drain(
         seq, [](const TurnEnd& end, v1::ConverseResponse* r) { r->mutable_turn_finished()->set_turn(end.turn); },
-        [&](v1::ConverseResponse* r) {
-          messages.push_back(r->has_tokens() ? std::to_string(r->tokens().ids_size()) + ":" + r->tokens().text()
-                                             : "end " + std::to_string(r->turn_finished().turn()));
+        [&](const grpc::ByteBuffer* bytes) {  // the message as the stream writes it
+          grpc::ByteBuffer copy(*bytes);
+          v1::ConverseResponse r;
+          ASSERT_TRUE(parse_message(&copy, &r));
+          messages.push_back(r.has_tokens() ? std::to_string(r.tokens().ids_size()) + ":" + r.tokens().text()
+                                            : "end " + std::to_string(r.turn_finished().turn()));
         },
         [&](StreamStatus, const std::string&) { closed = true; });
   }
