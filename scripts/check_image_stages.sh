@@ -48,12 +48,24 @@ stage_packages() {
 }
 
 ROOTS=()
-MOUNTS=()
+# Mount points under `root`, deepest first.
+mounts_under() { awk -v root="$1/" 'index($2, root) == 1 {print $2}' /proc/mounts | sort -r; }
 cleanup() {
-  local r
-  [[ -n ${RUNTIME:-} && -f $RUNTIME/tmp/m3serve.pid ]] && kill "$(cat "$RUNTIME/tmp/m3serve.pid")" 2>/dev/null || true
-  for ((i = ${#MOUNTS[@]} - 1; i >= 0; i--)); do umount "${MOUNTS[i]}" 2>/dev/null || true; done
-  for r in "${ROOTS[@]}"; do rm -rf --one-file-system "$r"; done
+  local r m pid
+  if [[ -n ${RUNTIME:-} && -f $RUNTIME/tmp/m3serve.pid ]]; then
+    pid=$(cat "$RUNTIME/tmp/m3serve.pid")
+    kill "$pid" 2>/dev/null || true
+    for _ in $(seq 20); do kill -0 "$pid" 2>/dev/null || break; sleep 1; done
+  fi
+  for r in "${ROOTS[@]}"; do
+    for m in $(mounts_under "$r"); do umount "$m" 2>/dev/null || umount -l "$m" 2>/dev/null || true; done
+    # Never delete through a mount that is still there (the host's /dev or CUDA toolkit).
+    if [[ -n $(mounts_under "$r") ]]; then
+      echo "left $r in place: still mounted: $(mounts_under "$r" | tr '\n' ' ')" >&2
+      continue
+    fi
+    rm -rf --one-file-system "$r"
+  done
 }
 trap cleanup EXIT
 
@@ -67,9 +79,7 @@ debian_root() {
     { tail -5 "$r.log"; exit 1; }
   rm -f "$r.log"
   mount -t proc proc "$r/proc"
-  MOUNTS+=("$r/proc")
   mount --bind /dev "$r/dev"
-  MOUNTS+=("$r/dev")
   cp /etc/resolv.conf "$r/etc/resolv.conf"
   chroot "$r" bash -c "export DEBIAN_FRONTEND=noninteractive; apt-get update -q >/dev/null 2>&1 &&
     apt-get install -y -q --no-install-recommends $1 >/dev/null 2>&1" ||
@@ -84,7 +94,7 @@ if [[ -z $BINARIES ]]; then
   BUILD_ROOT=$NEW_ROOT
   mkdir -p "$BUILD_ROOT/usr/local/cuda"
   mount --bind "$(readlink -f /usr/local/cuda)" "$BUILD_ROOT/usr/local/cuda"
-  MOUNTS+=("$BUILD_ROOT/usr/local/cuda")
+  mount -o remount,bind,ro "$BUILD_ROOT/usr/local/cuda"  # the host's toolkit: read only
   # The stage's COPY lines (sources into WORKDIR /src).
   mkdir -p "$BUILD_ROOT/src"
   awk '/^FROM / {in_stage = ($0 ~ / AS build$/)} in_stage && $1 == "COPY" {print $2, $3}' "$ROOT/Dockerfile" |

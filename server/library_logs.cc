@@ -20,26 +20,44 @@ std::mutex route_mu;
 RequestLog* route_log = nullptr;  // under route_mu
 std::once_flag handlers_installed;
 
-void write_line(const char* library, bool error, const char* file, int line, const std::string& message) {
+enum class Severity { kInfo, kError, kFatal };
+
+void write_line(const char* library, Severity severity, const char* file, int line, const std::string& message) {
   std::lock_guard lock(route_mu);
   if (route_log == nullptr) {
-    std::fprintf(stderr, "%s %s %s:%d] %s\n", library, error ? "error" : "info", file, line, message.c_str());
+    static constexpr const char* kNames[] = {"info", "error", "fatal"};
+    std::fprintf(stderr, "%s %s %s:%d] %s\n", library, kNames[static_cast<int>(severity)], file, line,
+                 message.c_str());
     return;
   }
-  if (error) {
-    route_log->warn(library, std::string(library) + ": " + message);
-  } else {
-    route_log->logger().info("{}: {}", library, message);
+  switch (severity) {
+    case Severity::kInfo:
+      route_log->logger().info("{}: {}", library, message);
+      break;
+    case Severity::kError:
+      route_log->warn(library, std::string(library) + ": " + message);
+      break;
+    case Severity::kFatal:  // the process aborts next: never rate-limited, never left in a buffer
+      route_log->logger().critical("{}: {} ({}:{})", library, message, file, line);
+      route_log->logger().flush();
+      break;
   }
 }
 
 void protobuf_line(google::protobuf::LogLevel level, const char* file, int line, const std::string& message) {
-  write_line("protobuf", level != google::protobuf::LOGLEVEL_INFO, file, line, message);
+  const Severity severity = level == google::protobuf::LOGLEVEL_FATAL ? Severity::kFatal
+                            : level == google::protobuf::LOGLEVEL_INFO ? Severity::kInfo
+                                                                        : Severity::kError;
+  write_line("protobuf", severity, file, line, message);
 }
 
 void grpc_line(gpr_log_func_args* args) {
-  write_line("grpc", args->severity == GPR_LOG_SEVERITY_ERROR, args->file, args->line,
-             args->message != nullptr ? args->message : "");
+  const std::string message = args->message != nullptr ? args->message : "";
+  // GPR_ASSERT logs "assertion failed: ..." at ERROR, then aborts.
+  const Severity severity = args->severity != GPR_LOG_SEVERITY_ERROR  ? Severity::kInfo
+                            : message.rfind("assertion failed", 0) == 0 ? Severity::kFatal
+                                                                       : Severity::kError;
+  write_line("grpc", severity, args->file, args->line, message);
 }
 
 }  // namespace

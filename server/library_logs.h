@@ -3,7 +3,9 @@
 // write a line ("String field ... contains invalid UTF-8 data"), so a client could flood
 // the log. While a LibraryLogRoute lives they go into the server's log instead, as
 // warnings rate-limited per library like the server's own (RequestLog::warn); gRPC's
-// debug and info lines (only written when GRPC_VERBOSITY asks for them) as info lines.
+// debug and info lines (only written when GRPC_VERBOSITY asks for them) as info lines;
+// the lines before an abort (protobuf's FATAL, gRPC's failed assertions) as critical
+// lines, never rate-limited, and flushed.
 #pragma once
 
 namespace m3 {

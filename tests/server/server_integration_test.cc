@@ -835,6 +835,8 @@ TEST(ServerTest, ConverseProtocolErrorsAreInvalidArgument) {
       {{config, long_turn, end}, "turn 0 has 8193 input tokens, this server's limit is 8192 (max_prompt_tokens)"},
       {{config, not_utf8},
        "message 2 could not be parsed as this method's request: protobuf requires its text fields to be valid UTF-8"},
+      {{not_utf8},  // (before the session started)
+       "message 1 could not be parsed as this method's request: protobuf requires its text fields to be valid UTF-8"},
   };
   for (const Case& c : cases) {
     grpc::Status status = converse_status(*server.stub, c.messages);
@@ -1080,6 +1082,29 @@ RawCall raw_call(TestServer& server, const std::string& method, const std::strin
   return result;
 }
 
+// A call of `method` that sends no message at all (the client half-closes at once): its
+// status.
+grpc::Status call_without_message(TestServer& server, const std::string& method) {
+  grpc::GenericStub generic(server.channel);
+  grpc::CompletionQueue cq;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + 5s);
+  auto call = generic.PrepareCall(&ctx, method, &cq);
+  void* tag = nullptr;
+  bool ok = false;
+  call->StartCall(reinterpret_cast<void*>(1));
+  EXPECT_TRUE(cq.Next(&tag, &ok));
+  call->WritesDone(reinterpret_cast<void*>(2));
+  EXPECT_TRUE(cq.Next(&tag, &ok));
+  grpc::Status status;
+  call->Finish(&status, reinterpret_cast<void*>(3));
+  EXPECT_TRUE(cq.Next(&tag, &ok));
+  cq.Shutdown();
+  while (cq.Next(&tag, &ok)) {
+  }
+  return status;
+}
+
 // grpc.health.v1.Health/Check (its messages are tiny: field 1 = the service name in the
 // request, field 1 = status in the response). The response's bytes, or the call's status
 // when it fails.
@@ -1109,6 +1134,9 @@ TEST(ServerTest, UnparsableRequestsAreInvalidArgumentAndProtobufsLinesRateLimite
               "be valid UTF-8");
   }
   EXPECT_TRUE(wait_for_requests(*server.app, "invalid_argument", 20));
+  const grpc::Status none = call_without_message(server, "/m3serve.v1.M3Serve/Generate");
+  EXPECT_EQ(none.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(none.error_message(), "the call carried no GenerateRequest message");
   size_t routed = 0;
   for (const std::string& line : server.sink->lines())
     if (line.rfind("protobuf: String field 'm3serve.v1.GenerateRequest.prompt_text' contains invalid UTF-8", 0) == 0)
