@@ -65,6 +65,7 @@ cleanup() {
       continue
     fi
     rm -rf --one-file-system "$r"
+    rm -f "$r.log" "$r.build.log"
   done
 }
 trap cleanup EXIT
