@@ -8,12 +8,12 @@ GenerateReactor::GenerateReactor(ServiceContext& ctx, grpc::CallbackServerContex
                                  const grpc::ByteBuffer* request_bytes)
     : ctx_(ctx), call_(call), start_(Clock::now()), writer_(ctx) {
   v1::GenerateRequest request;
-  grpc::ByteBuffer bytes(*request_bytes);  // (shares the slices; parsing empties it)
   std::string refusal;
   if (!request_bytes->Valid()) {
     refusal = "the call carried no GenerateRequest message";
-  } else if (!parse_message(&bytes, &request)) {
-    refusal = std::string("the request ") + kUnparsableMessage;
+  } else {
+    grpc::ByteBuffer bytes(*request_bytes);  // (shares the slices; parsing empties it)
+    if (!parse_message(&bytes, &request)) refusal = std::string("the request ") + kUnparsableMessage;
   }
   if (!refusal.empty()) {
     request_id_ = ctx_.make_request_id("gen-");

@@ -15,7 +15,7 @@ namespace m3 {
 
 // Why a request that parse_message refused is refused (INVALID_ARGUMENT).
 inline constexpr const char* kUnparsableMessage =
-    "could not be parsed as this method's request: protobuf requires its text fields to be valid UTF-8";
+    "could not be parsed as this method's request (protobuf requires its text fields to be valid UTF-8)";
 
 // Parses `bytes` into `message` (emptying `bytes`, as gRPC's reader does); false when
 // protobuf cannot.
@@ -24,9 +24,9 @@ bool parse_message(grpc::ByteBuffer* bytes, Message* message) {
   return grpc::SerializationTraits<Message>::Deserialize(bytes, message).ok();
 }
 
-// `message` as bytes for StartWrite, replacing what `bytes` held. Protobuf refuses only messages over 2 GiB; the
-// server's are bounded by stream_buffer_tokens (at most 65536 tokens and their text), so a
-// failure is a defect, not an input.
+// `message` as bytes for StartWrite, replacing what `bytes` held. Protobuf refuses only
+// messages over 2 GiB; the server's are bounded by stream_buffer_tokens (at most 65536
+// tokens and their text), so a failure is a defect, not an input.
 template <class Message>
 void serialize_message(const Message& message, grpc::ByteBuffer* bytes) {
   bytes->Clear();  // gRPC's writer asserts on a buffer that still holds the previous message

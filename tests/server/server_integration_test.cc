@@ -834,9 +834,9 @@ TEST(ServerTest, ConverseProtocolErrorsAreInvalidArgument) {
       // (Turns count from 0, as TurnFinished.turn does.)
       {{config, long_turn, end}, "turn 0 has 8193 input tokens, this server's limit is 8192 (max_prompt_tokens)"},
       {{config, not_utf8},
-       "message 2 could not be parsed as this method's request: protobuf requires its text fields to be valid UTF-8"},
+       "message 2 could not be parsed as this method's request (protobuf requires its text fields to be valid UTF-8)"},
       {{not_utf8},  // (before the session started)
-       "message 1 could not be parsed as this method's request: protobuf requires its text fields to be valid UTF-8"},
+       "message 1 could not be parsed as this method's request (protobuf requires its text fields to be valid UTF-8)"},
   };
   for (const Case& c : cases) {
     grpc::Status status = converse_status(*server.stub, c.messages);
@@ -1130,8 +1130,8 @@ TEST(ServerTest, UnparsableRequestsAreInvalidArgumentAndProtobufsLinesRateLimite
     const grpc::Status status = raw_call(server, "/m3serve.v1.M3Serve/Generate", not_utf8).status;
     EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << i;
     EXPECT_EQ(status.error_message(),
-              "the request could not be parsed as this method's request: protobuf requires its text fields to "
-              "be valid UTF-8");
+              "the request could not be parsed as this method's request (protobuf requires its text fields "
+              "to be valid UTF-8)");
   }
   EXPECT_TRUE(wait_for_requests(*server.app, "invalid_argument", 20));
   const grpc::Status none = call_without_message(server, "/m3serve.v1.M3Serve/Generate");
