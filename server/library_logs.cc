@@ -4,9 +4,11 @@
 #include <grpc/support/log.h>
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <mutex>
 #include <string>
+#include <vector>
 
 #include "server/request_log.h"
 
@@ -17,13 +19,15 @@ namespace {
 // against a concurrent log line, so it is never called again); a route only changes where
 // they write.
 std::mutex route_mu;
-RequestLog* route_log = nullptr;  // under route_mu
+// Under route_mu: the live routes' logs, newest last; lines go to the newest.
+std::vector<RequestLog*> route_logs;
 std::once_flag handlers_installed;
 
 enum class Severity { kInfo, kError, kFatal };
 
 void write_line(const char* library, Severity severity, const char* file, int line, const std::string& message) {
   std::lock_guard lock(route_mu);
+  RequestLog* const route_log = route_logs.empty() ? nullptr : route_logs.back();
   if (route_log == nullptr) {
     static constexpr const char* kNames[] = {"info", "error", "fatal"};
     std::fprintf(stderr, "%s %s %s:%d] %s\n", library, kNames[static_cast<int>(severity)], file, line,
@@ -68,12 +72,12 @@ LibraryLogRoute::LibraryLogRoute(RequestLog& log) : log_(&log) {
     gpr_set_log_function(&grpc_line);
   });
   std::lock_guard lock(route_mu);
-  route_log = log_;
+  route_logs.push_back(log_);
 }
 
 LibraryLogRoute::~LibraryLogRoute() {
   std::lock_guard lock(route_mu);
-  if (route_log == log_) route_log = nullptr;
+  route_logs.erase(std::find(route_logs.begin(), route_logs.end(), log_));
 }
 
 }  // namespace m3

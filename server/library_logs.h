@@ -15,7 +15,7 @@ class RequestLog;
 class LibraryLogRoute {
  public:
   // Routes both libraries' lines into `log` until destroyed (then they go to stderr again,
-  // in a format of our own). One route at a time: a second replaces the first.
+  // in a format of our own). With several routes alive, the newest one's log gets them.
   explicit LibraryLogRoute(RequestLog& log);
   ~LibraryLogRoute();
   LibraryLogRoute(const LibraryLogRoute&) = delete;

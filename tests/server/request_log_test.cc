@@ -1,8 +1,12 @@
 // The request log: one line per request, warnings limited per kind.
+#include <google/protobuf/stubs/logging.h>
+#include <grpc/grpc.h>
+#include <grpc/support/log.h>
 #include <gtest/gtest.h>
 
 #include <thread>
 
+#include "server/library_logs.h"
 #include "server/request_log.h"
 #include "tests/server/server_test_support.h"
 
@@ -54,6 +58,35 @@ TEST(RequestLogTest, OneLinePerRequestWithItsNumbers) {
   EXPECT_EQ(sink->lines()[1],
             "Converse id=s1 status=ok tokens_in=4 tokens_out=9 tokens_sent=7 turns=2 queue_ms=0.5 ttft_ms=2.5 "
             "duration_ms=40.0");
+}
+
+// Protobuf's and gRPC's lines reach the newest live route's log (several ServerApps in one
+// process each hold one), as warnings rate-limited per library.
+TEST(LibraryLogRouteTest, LinesGoToTheNewestLiveRoute) {
+  grpc_init();  // (gRPC writes no line before it)
+  auto first_sink = std::make_shared<test::CountingSink>();
+  auto second_sink = std::make_shared<test::CountingSink>();
+  RequestLog first(std::make_shared<spdlog::logger>("route-1", first_sink));
+  RequestLog second(std::make_shared<spdlog::logger>("route-2", second_sink), /*burst=*/2);
+  auto older = std::make_unique<LibraryLogRoute>(first);
+  {
+    LibraryLogRoute newer(second);
+    for (int i = 0; i < 4; ++i) GOOGLE_LOG(ERROR) << "protobuf line " << i;
+    gpr_log(GPR_ERROR, "grpc line %d", 7);
+    EXPECT_EQ(first_sink->count(), 0u);
+    ASSERT_EQ(second_sink->count(), 3u);  // two protobuf lines (the burst), one gRPC line
+    EXPECT_EQ(second_sink->lines()[0], "protobuf: protobuf line 0");
+    EXPECT_EQ(second_sink->lines()[1], "protobuf: protobuf line 1");
+    EXPECT_EQ(second_sink->lines()[2], "grpc: grpc line 7");
+  }
+  GOOGLE_LOG(WARNING) << "after the newer route ended";
+  ASSERT_EQ(first_sink->count(), 1u);
+  EXPECT_EQ(first_sink->lines()[0], "protobuf: after the newer route ended");
+  older.reset();
+  GOOGLE_LOG(ERROR) << "no route: to stderr";
+  EXPECT_EQ(first_sink->count(), 1u);
+  EXPECT_EQ(second_sink->count(), 3u);
+  grpc_shutdown();
 }
 
 }  // namespace
