@@ -7,7 +7,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <sstream>
 #include <stdexcept>
 #include <thread>
 
@@ -29,6 +28,11 @@ namespace {
 
 WeightDType weight_dtype_of(const std::string& name) {
   return name == "fp32" ? WeightDType::F32 : WeightDType::BF16;
+}
+
+// A setting in seconds as the scheduler's and the sweeper's clock duration.
+Clock::duration from_seconds(double seconds) {
+  return std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
 }
 
 }  // namespace
@@ -77,8 +81,7 @@ ServerApp::ServerApp(const ServerConfig& config, std::shared_ptr<spdlog::logger>
   SchedulerOptions scheduler_options;
   scheduler_options.queue_capacity = config_.queue_capacity;
   scheduler_options.pipelined = config_.pipelined_steps;
-  scheduler_options.session_idle_timeout = std::chrono::duration_cast<Clock::duration>(
-      std::chrono::duration<double>(config_.session_idle_timeout_s));
+  scheduler_options.session_idle_timeout = from_seconds(config_.session_idle_timeout_s);
   scheduler_options.on_engine_unusable = [this](const std::string&) { report_not_serving(); };
   stalled_streams_ = std::make_unique<StalledStreams>();
   scheduler_options.stalled_streams = stalled_streams_.get();
@@ -145,22 +148,21 @@ ServerApp::ServerApp(const ServerConfig& config, std::shared_ptr<spdlog::logger>
 ServerApp::~ServerApp() { shutdown(std::chrono::seconds(0)); }
 
 void ServerApp::sweep_streams() {
-  using Duration = std::chrono::steady_clock::duration;
-  const auto seconds = [](double s) { return std::chrono::duration_cast<Duration>(std::chrono::duration<double>(s)); };
-  const Duration idle = seconds(config_.session_idle_timeout_s);  // zero: never
-  const Duration stall = seconds(config_.stalled_stream_timeout_s);
+  using Duration = Clock::duration;
+  const Duration idle = from_seconds(config_.session_idle_timeout_s);  // zero: never
+  const Duration stall = from_seconds(config_.stalled_stream_timeout_s);
   // A stream is ended within about a quarter of its timeout after it ran out.
   Duration period = stall / 4;
   if (idle > Duration::zero()) period = std::min(period, idle / 4);
   period = std::clamp<Duration>(period, std::chrono::milliseconds(1), std::chrono::seconds(1));
-  std::ostringstream idle_s;
-  idle_s << config_.session_idle_timeout_s;
-  const std::string idle_message = "no message within " + idle_s.str() +
-                                   " s of opening the stream (the server's session_idle_timeout_s); the stream was ended";
+  // (%g, as the scheduler words an idle session's end.)
+  const std::string idle_message = fmt::format(
+      "no message within {:g} s of opening the stream (the server's session_idle_timeout_s); the stream was ended",
+      config_.session_idle_timeout_s);
   std::unique_lock lock(sweep_mu_);
   while (!sweep_cv_.wait_for(lock, period, [this] { return sweep_stop_; })) {
     lock.unlock();
-    const auto now = std::chrono::steady_clock::now();
+    const auto now = Clock::now();
     if (idle > Duration::zero())
       context_->unstarted_sessions.end_idle(now - idle, StreamStatus::kDeadlineExceeded, idle_message);
     if (const size_t cut = stalled_streams_->cut(now, stall); cut > 0)
