@@ -1,6 +1,8 @@
 // Shared by the server tests: a tiny random model on disk, an in-process server on an
-// ephemeral 127.0.0.1 port (CPU backend), a log sink that counts lines, and the
-// engine's own output for a prompt (what a stream must equal).
+// ephemeral 127.0.0.1 port (CPU backend), a log sink that counts lines, the engine's own
+// output for a prompt (what a stream must equal), and the client calls, metric reads and
+// polls the end-to-end tests share (defined in server_test_support.cc, library
+// m3_server_test_support).
 #pragma once
 
 #include <grpcpp/grpcpp.h>
@@ -15,6 +17,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -25,6 +28,7 @@
 #include "model/random_model.h"
 #include "model/weights.h"
 #include "server/demo_model.h"
+#include "server/metrics.h"
 #include "server/server_app.h"
 #include "server/server_config.h"
 
@@ -174,5 +178,54 @@ inline v1::GenerateRequest generate_request(const std::vector<int32_t>& prompt, 
   request.set_max_new_tokens(max_new);
   return request;
 }
+
+// The prompt most tests send.
+inline const std::vector<int32_t> kPrompt = {17, 3, 250, 99, 4, 411};
+
+// The value of one series in the Prometheus text ("name{labels} value"), -1 if absent.
+double metric_value(const std::string& text, const std::string& series);
+
+// m3serve_requests_total for one status.
+double requests_with_status(ServerApp& app, const std::string& status);
+
+// Polls until the metric reaches `value` (the stream end is recorded just after the
+// client sees it), for at most `limit`.
+bool wait_for_requests(ServerApp& app, const std::string& status, double value,
+                       std::chrono::milliseconds limit = std::chrono::seconds(5));
+
+// Polls until `done` holds (what the server does after the client sees a stream end,
+// or before it tells the client anything), for at most about 5 s.
+bool eventually(const std::function<bool()>& done);
+
+using ConverseStream = grpc::ClientReaderWriter<v1::ConverseRequest, v1::ConverseResponse>;
+
+struct ConverseTurn {
+  std::vector<int32_t> tokens;
+  v1::TurnFinished finished;
+};
+
+// The next reply on a Converse stream: its tokens up to its TurnFinished (left empty when
+// the stream ends first).
+ConverseTurn read_reply(ConverseStream& stream);
+
+// Runs a Converse session with the given messages (no reads in between) and returns the
+// final status.
+grpc::Status converse_status(v1::M3Serve::Stub& stub, const std::vector<v1::ConverseRequest>& messages);
+
+// Starts a session on `stream` that replies once (3 tokens to kPrompt) and is then
+// between turns.
+void one_reply_then_idle(ConverseStream& stream);
+
+// A stub whose channel has a receive window of about 1 KB: a client that reads nothing
+// stalls the server's writes once the window is full.
+std::unique_ptr<v1::M3Serve::Stub> small_window_stub(TestServer& server);
+
+// One request of `method` as raw bytes through a generic stub, as a unary call: the
+// call's status and, when it is OK, the response's bytes.
+struct RawCall {
+  grpc::Status status;
+  std::string bytes;
+};
+RawCall raw_call(TestServer& server, const std::string& method, const std::string& request_bytes);
 
 }  // namespace m3::test
