@@ -118,10 +118,12 @@ struct TestServer {
 };
 
 // What the engine itself makes for `prompt` in one slot: prompt fed one token per step,
-// then max_new tokens, each fed back (stops after a stop id).
+// then max_new tokens, each fed back (stops after a stop id). None for max_new 0: the
+// prefix of a stream whose client received nothing.
 inline std::vector<int32_t> engine_generate(const std::vector<int32_t>& prompt, int max_new,
                                             SamplingParams sampling = {},
                                             const std::vector<int32_t>& stops = {}) {
+  if (max_new <= 0) return {};
   static const ModelWeights weights = ModelWeights::load(tiny_model_dir());
   EngineOptions options;
   options.max_slots = 1;
