@@ -8,7 +8,9 @@
 //   greedy_match: for t >= Lp-1 the engine's greedy sample equals greedy_ids[b, t+1].
 // Prints one line "max_rel_err=<x> greedy_match=<yes|no>" on stdout (detail on stderr).
 //
-// Tolerance: fp32 arithmetic 1e-4 (either backend); bf16 weights 3e-2. With fp32 a greedy
+// Tolerance: fp32 arithmetic 1e-4 (either backend); bf16 weights 3e-2, whether the CUDA
+// engine rounds them (--dtype bf16) or the model stores them in 16 bits (BF16 or F16: the
+// CPU engine widens them exactly, but they are already rounded). With fp32 a greedy
 // mismatch fails. With bf16 weights a mismatch is tolerated only at a near tie: where
 // the reference logit of the id the engine picked is within 2 * that step's absolute
 // logit error of the reference maximum, the rounded weights may legitimately reorder
@@ -238,6 +240,16 @@ Result replay(m3::Engine& engine, const Trajectory& tr, bool one_at_a_time) {
   return res;
 }
 
+// Whether any weight is stored as BF16 or F16: then the arithmetic runs on rounded
+// weights whichever engine widens them, and the bf16 tolerance applies.
+bool model_stores_16bit_weights(const std::string& model_dir) {
+  const m3::SafetensorsSet set = m3::SafetensorsSet::open_dir(model_dir);
+  for (const auto& [name, view] : set.tensors()) {
+    if (view->dtype == m3::DType::BF16 || view->dtype == m3::DType::F16) return true;
+  }
+  return false;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -261,8 +273,10 @@ int main(int argc, char** argv) {
 
   std::unique_ptr<m3::Engine> engine;
   Trajectory tr;
+  bool stored_16bit = false;
   try {
     const m3::ModelWeights weights = m3::ModelWeights::load(opt.model_dir);
+    stored_16bit = model_stores_16bit_weights(opt.model_dir);
     tr = load_trajectory(opt.trajectory, weights.config());
     m3::EngineOptions eo;
     eo.max_slots = tr.B;
@@ -275,7 +289,7 @@ int main(int argc, char** argv) {
 
   // The CPU engine always computes with fp32 weights, whatever --dtype says.
   const bool cuda = engine->backend() == "cuda";
-  const bool bf16 = cuda && opt.dtype == m3::WeightDType::BF16;
+  const bool bf16 = (cuda && opt.dtype == m3::WeightDType::BF16) || stored_16bit;
   const double tolerance = bf16 ? 3e-2 : 1e-4;
   if (!cuda && opt.dtype == m3::WeightDType::BF16) {
     std::fprintf(stderr, "m3check: the cpu backend computes in fp32; --dtype bf16 ignored\n");
@@ -291,7 +305,8 @@ int main(int argc, char** argv) {
   std::fprintf(stderr,
                "m3check: backend %s, weights %s, %d sequences x %d steps%s, tolerance %.0e, "
                "worst step %d of sequence %d\n",
-               std::string(engine->backend()).c_str(), bf16 ? "bf16" : "fp32", tr.B, tr.T,
+               std::string(engine->backend()).c_str(), stored_16bit ? "stored in 16 bits" : bf16 ? "bf16" : "fp32",
+               tr.B, tr.T,
                opt.one_at_a_time ? " (one at a time)" : "", tolerance, res.worst_step, res.worst_sequence);
   std::printf("max_rel_err=%.3e greedy_match=%s\n", res.max_rel_err, res.greedy_match ? "yes" : "no");
   std::fflush(stdout);
