@@ -2,11 +2,10 @@
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 from typing import Callable
-
-import numpy as np
 
 from .check import check_structure, check_values
 from .checkpoint import read_checkpoint
@@ -66,7 +65,7 @@ def export(src: Path, out: Path, dtype: str = "fp32", shard_size: int | None = N
 
     created = _prepare_out_dir(out)
     itemsize = DTYPES[out_dtype].itemsize
-    sizes = [(n, int(np.prod(ckpt.tensors[n].shape, dtype=np.int64)) * itemsize) for n in names]
+    sizes = [(n, math.prod(ckpt.tensors[n].shape) * itemsize) for n in names]
     written: list[Path] = []
     try:
         written = write_model_tensors(out, sizes, lambda n: convert(ckpt.tensors[n], out_dtype), shard_size)

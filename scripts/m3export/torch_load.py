@@ -17,6 +17,14 @@ def torch_available() -> bool:
     return importlib.util.find_spec("torch") is not None
 
 
+def _reason(e: Exception) -> str:
+    """torch's refusal without its advice to retry with weights_only=False (which would run
+    the file's code) or to read its documentation."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    kept = [line for line in lines if "weights_only" not in line and not line.startswith("Check the documentation")]
+    return f"{type(e).__name__}: {' '.join(kept or lines)}"
+
+
 def read_with_torch(path: Path) -> dict[str, Tensor]:
     import torch  # noqa: PLC0415 (optional dependency)
 
@@ -29,7 +37,7 @@ def read_with_torch(path: Path) -> dict[str, Tensor]:
     try:
         root = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # torch raises many types; each is a refusal of the file
-        raise ExportError(f"{source}: torch.load(weights_only=True) refused it: {type(e).__name__}: {e}") from None
+        raise ExportError(f"{source}: torch.load(weights_only=True) refused it: {_reason(e)}") from None
     if not isinstance(root, dict):
         raise ExportError(f"{source}: holds a {type(root).__name__}, expected a state dict "
                           "(a dict of tensor names to tensors, as save_pretrained writes)")

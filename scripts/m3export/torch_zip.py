@@ -13,6 +13,7 @@ torch.save's legacy format (before PyTorch 1.6, not a zip archive) is not read.
 from __future__ import annotations
 
 import collections
+import math
 import pickle
 import struct
 import zipfile
@@ -193,7 +194,7 @@ class _RestrictedUnpickler(pickle.Unpickler):
                 and _is_int(storage_offset) and storage_offset >= 0):
             raise ExportError(f"{source}: malformed tensor of storage {storage.key}: offset {storage_offset!r:.20}, "
                               f"size {size!r:.60}, stride {stride!r:.60}")
-        numel = int(np.prod(size, dtype=np.int64)) if size else 1
+        numel = math.prod(size)  # exact: sizes come from the file
         available = storage.array.shape[0]
         if numel > 0:
             last = storage_offset + sum((n - 1) * s for n, s in zip(size, stride))

@@ -10,6 +10,8 @@
                    the exporter must name: missing_tensor (mixer.D of layer 0 left out),
                    wrong_shape (mixer.dt_bias of 5 elements, config needs 4), nan (one NaN
                    in mixer.in_proj.weight);
+  small/, small_sharded/  the same small model without a fault, as one pytorch_model.bin and
+                   as two shards with pytorch_model.bin.index.json (as transformers shards);
   layouts.pt       a state dict of tensors laid out as torch may store them: views at storage
                    offsets, a transposed (strided) view, one storage shared by two names, BF16,
                    F16, F64, I64, a scalar and an empty tensor;
@@ -113,6 +115,21 @@ def save_pretrained(tensors: "OrderedDict[str, torch.Tensor]", config: dict, out
         json.dump(config, f, indent=4)
 
 
+def write_sharded_bin(tensors: "OrderedDict[str, torch.Tensor]", config: dict, out: str) -> None:
+    names = list(tensors)
+    shards = {"pytorch_model-00001-of-00002.bin": names[: len(names) // 2],
+              "pytorch_model-00002-of-00002.bin": names[len(names) // 2:]}
+    os.makedirs(out, exist_ok=True)
+    weight_map = {}
+    for file_name, part in shards.items():
+        torch.save(OrderedDict((n, tensors[n]) for n in part), os.path.join(out, file_name))
+        weight_map.update({n: file_name for n in part})
+    with open(os.path.join(out, "pytorch_model.bin.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=2)
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(config, f, indent=4)
+
+
 def write_error_cases() -> None:
     g = torch.Generator().manual_seed(11)
     good = OrderedDict((n, torch.randn(*s, generator=g) * 0.1) for n, s in SMALL_SHAPES.items())
@@ -122,6 +139,8 @@ def write_error_cases() -> None:
     nan = OrderedDict(good)
     nan["backbone.layers.0.mixer.in_proj.weight"] = good["backbone.layers.0.mixer.in_proj.weight"].clone()
     nan["backbone.layers.0.mixer.in_proj.weight"][3, 7] = float("nan")
+    save_pretrained(good, SMALL_CONFIG, os.path.join(HERE, "small"))
+    write_sharded_bin(good, SMALL_CONFIG, os.path.join(HERE, "small_sharded"))
     for case, tensors in (("missing_tensor", missing), ("wrong_shape", wrong_shape), ("nan", nan)):
         save_pretrained(tensors, SMALL_CONFIG, os.path.join(HERE, "errors", case))
 
