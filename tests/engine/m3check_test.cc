@@ -91,6 +91,38 @@ TEST(Golden, OneAtATimeReportsWhatTheBatchReports) {
   EXPECT_EQ(alone.out, batch.out);
   EXPECT_NE(alone.err.find("(one at a time)"), std::string::npos) << alone.err;
 }
+// A model stored in BF16 (as an export with --dtype bf16 writes it) is held to the bf16
+// tolerance on the CPU too: the engine widens the weights exactly, but they are rounded.
+TEST(Golden, TinyStoredInBf16PassesAtTheBf16Tolerance) {
+  const fs::path golden = fs::path(M3_TEST_DATA_DIR) / "golden_tiny";
+  testing::ScratchDir dir("m3check_bf16");
+  const fs::path model = dir.path() / "model";
+  fs::create_directories(model);
+  fs::copy_file(golden / "config.json", model / "config.json");
+  const auto f32 = SafetensorsFile::open(golden / "model.safetensors");
+  std::vector<TensorToWrite> tensors;
+  for (const auto& [name, view] : f32->tensors()) {
+    const std::vector<float> values = to_f32(view);
+    std::vector<std::byte> bits(values.size() * 2);
+    for (size_t i = 0; i < values.size(); ++i) {
+      const uint16_t b = f32_to_bf16(values[i]);
+      std::memcpy(bits.data() + 2 * i, &b, 2);
+    }
+    tensors.push_back({name, DType::BF16, view.shape, std::move(bits)});
+  }
+  write_safetensors(model / "model.safetensors", tensors);
+
+  const ToolRun r = run_m3check(quoted(model) + " " + quoted(golden / "trajectory.safetensors") + " --backend cpu");
+  double err = -1;
+  bool greedy = false;
+  ASSERT_TRUE(parse_line(r.out, &err, &greedy)) << "stdout: " << r.out << "\nstderr: " << r.err;
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_GT(err, 1e-4);  // the rounding shows: fp32's tolerance would fail it
+  EXPECT_LE(err, 3e-2);
+  EXPECT_NE(r.err.find("weights stored in 16 bits"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("tolerance 3e-02"), std::string::npos) << r.err;
+}
+
 TEST(Golden, SharedTiny) { expect_golden_passes(fs::path(M3_GOLDEN_DIR) / "tiny"); }
 TEST(Golden, SharedSmallNormMlp) { expect_golden_passes(fs::path(M3_GOLDEN_DIR) / "small_norm_mlp"); }
 
