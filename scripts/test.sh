@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Sets up, builds and runs every test. GPU tests skip (and say so) where no GPU is present;
-# without the CUDA toolkit they are not built (and it says that instead).
+# without the CUDA toolkit they are not built (and it says that instead). The checkpoint
+# exporter's tests (scripts.export.*) first make a virtual environment in the build tree with
+# pip and scripts/requirements-export.txt (PyPI; no torch), kept while the pins stay the same.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/setup.sh"
 m3_install_packages
