@@ -18,7 +18,7 @@ import pickle
 import struct
 import zipfile
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 
@@ -144,8 +144,8 @@ class _Archive:
 class _RestrictedUnpickler(pickle.Unpickler):
     """Unpickles a state dict of tensors; refuses every other callable by name."""
 
-    def __init__(self, archive: _Archive):
-        super().__init__(archive.zip.open(archive.pickle_name), encoding="utf-8")
+    def __init__(self, stream: IO[bytes], archive: _Archive):
+        super().__init__(stream, encoding="utf-8")
         self.archive = archive
         self.storages: dict[str, Storage] = {}
 
@@ -220,12 +220,14 @@ def read_torch_zip(path: Path) -> dict[str, Tensor]:
     """The state dict in `path` (name -> tensor), read without torch and without running
     anything from the file."""
     archive = _Archive(path)
-    try:
-        root = _RestrictedUnpickler(archive).load()
-    except ExportError:
-        raise
-    except (pickle.UnpicklingError, EOFError, TypeError, ValueError, AttributeError, IndexError, KeyError) as e:
-        raise ExportError(f"{archive.source}: cannot unpickle {archive.pickle_name}: {type(e).__name__}: {e}") from None
+    # Storages stay mapped (or copied) after the archive is closed.
+    with archive.zip, archive.zip.open(archive.pickle_name) as stream:
+        try:
+            root = _RestrictedUnpickler(stream, archive).load()
+        except ExportError:
+            raise
+        except (pickle.UnpicklingError, EOFError, TypeError, ValueError, AttributeError, IndexError, KeyError) as e:
+            raise ExportError(f"{archive.source}: cannot unpickle {archive.pickle_name}: {type(e).__name__}: {e}") from None
     if not isinstance(root, dict):
         raise ExportError(f"{archive.source}: holds a {type(root).__name__}, expected a state dict "
                           "(a dict of tensor names to tensors, as save_pretrained writes)")
