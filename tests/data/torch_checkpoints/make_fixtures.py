@@ -18,7 +18,9 @@
   layouts_expected.safetensors  the same tensors made contiguous, written by safetensors,
                    to compare the reader against.
 
-Run from anywhere: python3 tests/data/torch_checkpoints/make_fixtures.py
+Run from anywhere, in an environment with torch and safetensors (a throwaway one: torch's
+PyPI wheels pull several GB of CUDA libraries): python tests/data/torch_checkpoints/make_fixtures.py
+torch.save wrote these files with torch 2.15.0; rerunning it rewrites them with the same content.
 """
 import json
 import os

@@ -130,3 +130,16 @@ def test_sharded_pytorch_model_bin_input_gives_the_same_model(tmp_path):
     a, b = load_file(whole / "model.safetensors"), load_file(sharded / "model.safetensors")
     assert set(a) == set(b) and len(a) == 14
     assert all(np.array_equal(a[n], b[n]) for n in a)
+
+
+def test_the_fixture_ties_the_head_as_save_pretrained_does():
+    # One storage behind backbone.embedding.weight and lm_head.weight, so the archive holds
+    # one storage record fewer than the state dict has tensors.
+    import zipfile
+
+    from m3export.torch_zip import read_torch_zip
+    path = SAVE_PRETRAINED_TINY / "pytorch_model.bin"
+    tensors = read_torch_zip(path)
+    assert np.shares_memory(tensors["lm_head.weight"].data, tensors["backbone.embedding.weight"].data)
+    records = [n for n in zipfile.ZipFile(path).namelist() if "/data/" in n]
+    assert len(records) == len(tensors) - 1
