@@ -75,16 +75,24 @@ def bf16_bits_to_f32(bits: np.ndarray) -> np.ndarray:
     return (bits.astype(np.uint32) << np.uint32(16)).view(np.float32)
 
 
+_CHUNK = 1 << 22  # elements converted at a time, to bound the temporaries of a large tensor
+
+
 def f32_to_bf16_bits(values: np.ndarray) -> np.ndarray:
     """float32 rounded to the nearest BF16 (ties to even), as uint16 bits. NaN stays NaN
     (quiet); values past BF16's range round to infinity, which the caller checks for."""
-    bits = contiguous(values.astype(np.float32, copy=False)).view(np.uint32)
-    rounding = ((bits >> np.uint32(16)) & np.uint32(1)) + np.uint32(0x7FFF)
-    rounded = ((bits + rounding) >> np.uint32(16)).astype(np.uint16)
-    nan = np.isnan(values)
-    if nan.any():
-        rounded[nan] = ((bits[nan] >> np.uint32(16)) | np.uint32(0x0040)).astype(np.uint16)
-    return rounded
+    flat = contiguous(values.astype(np.float32, copy=False)).reshape(-1)
+    out = np.empty(flat.shape, dtype=np.uint16)
+    for begin in range(0, flat.size, _CHUNK):
+        part = flat[begin:begin + _CHUNK]
+        bits = part.view(np.uint32)
+        rounding = ((bits >> np.uint32(16)) & np.uint32(1)) + np.uint32(0x7FFF)
+        rounded = ((bits + rounding) >> np.uint32(16)).astype(np.uint16)
+        nan = np.isnan(part)
+        if nan.any():
+            rounded[nan] = ((bits[nan] >> np.uint32(16)) | np.uint32(0x0040)).astype(np.uint16)
+        out[begin:begin + _CHUNK] = rounded
+    return out.reshape(values.shape)
 
 
 def to_f32(t: Tensor) -> np.ndarray:

@@ -121,8 +121,7 @@ def test_a_persistent_id_other_than_a_storage_is_refused(tmp_path):
 
 def rewrite(src: Path, dst: Path, edit) -> Path:
     """A copy of the archive `src` whose records pass through `edit(name, data)` (None drops one)."""
-    original = zipfile.ZipFile(src)
-    with zipfile.ZipFile(dst, "w") as z:
+    with zipfile.ZipFile(src) as original, zipfile.ZipFile(dst, "w") as z:
         for info in original.infolist():
             data = edit(info.filename, original.read(info))
             if data is not None:

@@ -141,5 +141,6 @@ def test_the_fixture_ties_the_head_as_save_pretrained_does():
     path = SAVE_PRETRAINED_TINY / "pytorch_model.bin"
     tensors = read_torch_zip(path)
     assert np.shares_memory(tensors["lm_head.weight"].data, tensors["backbone.embedding.weight"].data)
-    records = [n for n in zipfile.ZipFile(path).namelist() if "/data/" in n]
+    with zipfile.ZipFile(path) as z:
+        records = [n for n in z.namelist() if "/data/" in n]
     assert len(records) == len(tensors) - 1

@@ -49,3 +49,14 @@ def test_shard_plan_keeps_order_and_puts_a_large_tensor_alone():
     sizes = [("a", 40), ("b", 50), ("c", 200), ("d", 10), ("e", 90), ("f", 5)]
     assert plan_shards(sizes, 100) == [["a", "b"], ["c"], ["d", "e"], ["f"]]
     assert plan_shards(sizes, None) == [["a", "b", "c", "d", "e", "f"]]
+
+
+def test_bf16_conversion_in_chunks_equals_whole(monkeypatch):
+    import m3export.tensor as tensor
+    x = np.random.default_rng(1).standard_normal((13, 5)).astype(np.float32)
+    x[2, 3] = np.nan
+    whole = f32_to_bf16_bits(x)
+    monkeypatch.setattr(tensor, "_CHUNK", 7)
+    chunked = f32_to_bf16_bits(x)
+    assert chunked.shape == (13, 5)
+    assert np.array_equal(chunked, whole)
