@@ -1,0 +1,152 @@
+#include "kernels/gemm_lt.cuh"
+
+#include <cublasLt.h>
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "kernels/common.cuh"
+
+namespace m3::kernels {
+namespace {
+
+void check_lt(cublasStatus_t status, const char* what, const std::string& context) {
+  if (status != CUBLAS_STATUS_SUCCESS) {
+    throw std::runtime_error("cuBLASLt " + std::string(what) + " failed (" + context + "): status " +
+                             std::to_string(static_cast<int>(status)));
+  }
+}
+
+std::string describe(const LtGemmShape& s) {
+  return "gemm " + std::to_string(s.out_features) + "x" + std::to_string(s.in_features) + ", up to " +
+         std::to_string(s.max_rows) + " rows, " + (s.type == WeightType::BF16 ? "bf16" : "fp32") +
+         (s.accumulate ? ", accumulating" : "");
+}
+
+}  // namespace
+
+int lt_gemm_padded_rows(int rows) {
+  if (rows <= 128) return (rows + 15) / 16 * 16;
+  if (rows <= 1024) return (rows + 63) / 64 * 64;
+  return (rows + 255) / 256 * 256;
+}
+
+LtContext::LtContext() {
+  cublasLtHandle_t h = nullptr;
+  check_lt(cublasLtCreate(&h), "cublasLtCreate", "prefill GEMM context");
+  handle_ = h;
+  const cudaError_t err = cudaMalloc(&workspace_, kWorkspaceBytes);
+  if (err != cudaSuccess) {
+    cublasLtDestroy(h);
+    check_cuda(err, "cudaMalloc(cuBLASLt workspace)", __FILE__, __LINE__);
+  }
+}
+
+LtContext::~LtContext() {
+  if (workspace_ != nullptr) cudaFree(workspace_);
+  if (handle_ != nullptr) cublasLtDestroy(static_cast<cublasLtHandle_t>(handle_));
+}
+
+struct LtGemm::Plan {
+  struct Bucket {
+    int rows = 0;
+    cublasLtMatrixLayout_t x = nullptr, y = nullptr;
+    cublasLtMatmulAlgo_t algo{};
+  };
+  LtGemmShape shape;
+  cublasLtHandle_t handle = nullptr;
+  void* workspace = nullptr;
+  cublasLtMatmulDesc_t desc = nullptr;
+  cublasLtMatrixLayout_t w = nullptr;
+  std::vector<Bucket> buckets;  // ascending rows
+  ~Plan() {
+    for (Bucket& b : buckets) {
+      if (b.x != nullptr) cublasLtMatrixLayoutDestroy(b.x);
+      if (b.y != nullptr) cublasLtMatrixLayoutDestroy(b.y);
+    }
+    if (w != nullptr) cublasLtMatrixLayoutDestroy(w);
+    if (desc != nullptr) cublasLtMatmulDescDestroy(desc);
+  }
+};
+
+LtGemm::LtGemm(const LtContext& context, const LtGemmShape& s) : plan_(std::make_unique<Plan>()) {
+  const std::string what = describe(s);
+  if (s.out_features <= 0 || s.in_features <= 0 || s.max_rows <= 0 || s.x_stride < s.in_features ||
+      s.y_stride < s.out_features || s.x_stride % 8 != 0 || s.in_features % 8 != 0) {
+    throw std::invalid_argument(what + ": sizes must be positive, strides cover the rows, and in_features and "
+                                       "x_stride multiples of 8");
+  }
+  Plan& p = *plan_;
+  p.shape = s;
+  p.handle = static_cast<cublasLtHandle_t>(context.handle());
+  p.workspace = context.workspace();
+  const cudaDataType_t wt = s.type == WeightType::BF16 ? CUDA_R_16BF : CUDA_R_32F;
+  check_lt(cublasLtMatmulDescCreate(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F), "MatmulDescCreate", what);
+  // Column-major view: y^T [out, rows] = W^T^T [in, out]^T . x^T [in, rows].
+  const cublasOperation_t trans = CUBLAS_OP_T, no_trans = CUBLAS_OP_N;
+  check_lt(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, &trans, sizeof(trans)), "TRANSA", what);
+  check_lt(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, &no_trans, sizeof(no_trans)), "TRANSB",
+           what);
+  check_lt(cublasLtMatrixLayoutCreate(&p.w, wt, s.in_features, s.out_features, s.in_features), "layout W", what);
+
+  cublasLtMatmulPreference_t pref = nullptr;
+  check_lt(cublasLtMatmulPreferenceCreate(&pref), "PreferenceCreate", what);
+  const uint64_t ws_bytes = LtContext::kWorkspaceBytes;
+  const uint32_t align = 16;
+  cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_bytes, sizeof(ws_bytes));
+  for (auto attr : {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+                    CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES}) {
+    cublasLtMatmulPreferenceSetAttribute(pref, attr, &align, sizeof(align));
+  }
+  try {
+    for (int rows = lt_gemm_padded_rows(1);; rows = lt_gemm_padded_rows(rows + 1)) {
+      Plan::Bucket b;
+      b.rows = rows;
+      p.buckets.push_back(b);
+      Plan::Bucket& nb = p.buckets.back();
+      check_lt(cublasLtMatrixLayoutCreate(&nb.x, wt, s.in_features, rows, s.x_stride), "layout x", what);
+      check_lt(cublasLtMatrixLayoutCreate(&nb.y, CUDA_R_32F, s.out_features, rows, s.y_stride), "layout y", what);
+      cublasLtMatmulHeuristicResult_t result{};
+      int found = 0;
+      check_lt(cublasLtMatmulAlgoGetHeuristic(p.handle, p.desc, p.w, nb.x, nb.y, nb.y, pref, 1, &result, &found),
+               "AlgoGetHeuristic", what + " at " + std::to_string(rows) + " rows");
+      if (found == 0) {
+        throw std::runtime_error("cuBLASLt has no algorithm for " + what + " at " + std::to_string(rows) + " rows");
+      }
+      nb.algo = result.algo;
+      if (rows >= s.max_rows) break;
+    }
+  } catch (...) {
+    cublasLtMatmulPreferenceDestroy(pref);
+    throw;
+  }
+  cublasLtMatmulPreferenceDestroy(pref);
+}
+
+LtGemm::~LtGemm() = default;
+LtGemm::LtGemm(LtGemm&&) noexcept = default;
+LtGemm& LtGemm::operator=(LtGemm&&) noexcept = default;
+
+const LtGemmShape& LtGemm::shape() const { return plan_->shape; }
+
+void LtGemm::run(const void* weight, const void* x, float* y, int rows, cudaStream_t stream) const {
+  const Plan& p = *plan_;
+  if (rows <= 0 || rows > p.shape.max_rows) {
+    throw std::invalid_argument(describe(p.shape) + ": called with " + std::to_string(rows) + " rows");
+  }
+  if ((reinterpret_cast<uintptr_t>(weight) | reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(y)) % 16 != 0) {
+    throw std::invalid_argument(describe(p.shape) + ": weight, x and y must be 16-byte aligned");
+  }
+  const int padded = lt_gemm_padded_rows(rows);
+  size_t i = 0;
+  while (p.buckets[i].rows < padded) ++i;  // the last bucket covers max_rows
+  const Plan::Bucket& b = p.buckets[i];
+  const float alpha = 1.f, beta = p.shape.accumulate ? 1.f : 0.f;
+  check_lt(cublasLtMatmul(p.handle, p.desc, &alpha, weight, p.w, x, b.x, &beta, y, b.y, y, b.y, &b.algo, p.workspace,
+                          LtContext::kWorkspaceBytes, stream),
+           "Matmul", describe(p.shape));
+}
+
+}  // namespace m3::kernels

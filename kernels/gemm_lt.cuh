@@ -1,0 +1,67 @@
+// y (+)= x W^T over a block of token rows through cuBLASLt, for the prefill projections
+// (in_proj, out_proj, fc1, fc2): W is [out_features, in_features] row-major (bf16 or fp32,
+// as the engine's weights), x is [rows, x_stride] in the weights' type, y is [rows,
+// y_stride] fp32 (accumulate: y += x W^T, the residual add of out_proj and fc2).
+//
+// Everything cuBLASLt chooses is chosen at construction (load): the row counts are
+// bucketed (lt_gemm_padded_rows) and each bucket gets its layouts and the heuristic's best
+// algorithm then, so run() only looks its bucket up. A call computes all rows of its
+// bucket: x and y must hold lt_gemm_padded_rows(max_rows) rows; the rows past `rows` read
+// and write scratch that nothing else reads. fp32 weights compute in fp32 (no tf32).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <memory>
+
+#include "kernels/embedding.cuh"  // WeightType
+
+namespace m3::kernels {
+
+// Rows a call of `rows` rows computes: a multiple of 16 up to 128, of 64 up to 1024, of
+// 256 beyond.
+int lt_gemm_padded_rows(int rows);
+
+// A cuBLASLt handle and the workspace its matmuls share (one stream at a time), made once.
+class LtContext {
+ public:
+  static constexpr size_t kWorkspaceBytes = 32u << 20;
+  LtContext();
+  ~LtContext();
+  LtContext(const LtContext&) = delete;
+  LtContext& operator=(const LtContext&) = delete;
+  void* handle() const { return handle_; }
+  void* workspace() const { return workspace_; }
+
+ private:
+  void* handle_ = nullptr;  // cublasLtHandle_t
+  void* workspace_ = nullptr;
+};
+
+struct LtGemmShape {
+  int out_features = 0, in_features = 0;
+  int max_rows = 0;  // the largest `rows` run() takes
+  WeightType type = WeightType::BF16;
+  int x_stride = 0;  // elements; a multiple of 8 (16-byte rows)
+  int y_stride = 0;
+  bool accumulate = false;
+};
+
+class LtGemm {
+ public:
+  // Throws with the shape when cuBLASLt has no algorithm for a bucket.
+  LtGemm(const LtContext& context, const LtGemmShape& shape);
+  ~LtGemm();
+  LtGemm(LtGemm&&) noexcept;
+  LtGemm& operator=(LtGemm&&) noexcept;
+  const LtGemmShape& shape() const;
+  // weight, x and y 16-byte aligned; 1 <= rows <= shape.max_rows.
+  void run(const void* weight, const void* x, float* y, int rows, cudaStream_t stream) const;
+
+ private:
+  struct Plan;
+  std::unique_ptr<Plan> plan_;
+};
+
+}  // namespace m3::kernels

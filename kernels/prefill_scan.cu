@@ -1,0 +1,605 @@
+#include "kernels/prefill_scan.cuh"
+
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+
+#include "kernels/mimo_step.cuh"  // MimoStateLayout
+#include "kernels/tile_mma.cuh"
+
+namespace m3::kernels {
+namespace {
+
+constexpr float kPi = 3.14159265358979323846f;
+constexpr int kMaxP = 64, kMaxN = 128;
+
+struct ScanParams {
+  PrefillScanArgs a;
+  MimoStateLayout layout;
+};
+
+// Shared-memory plan of the chunk kernels for operand type Op, sized for the largest head
+// the kernels take (P 64, N 128), so the sizes are compile-time constants checked below.
+template <typename Op>
+struct ChunkSmem {
+  static constexpr bool kBf16 = sizeof(Op) == 2;
+  static constexpr int kRows = kBf16 ? kPrefillRowsBf16 : kPrefillRowsFp32;  // (token, rank) rows
+  static constexpr int kPad = kBf16 ? 8 : 4;  // rows 4 words past a multiple of 32 words
+  static constexpr int kLdRows = kRows + kPad;                              // rows indexed by (t, r)
+  static constexpr int kLdN = kMaxN + kPad;                                 // rows indexed by n
+  static constexpr int kLdQ = (kMaxN > kRows ? kMaxN : kRows) + kPad;       // Q, then the masked G
+  static constexpr int kLdY = kMaxP + 4;                                    // y, fp32
+  static constexpr int kThreadsOut = kRows * 2;                             // a warp per 16 rows
+  // Chunk state: XvW^T [P][rows] and K^T [N][rows], then the per-token floats.
+  static constexpr size_t kStateBytes = sizeof(Op) * (size_t)(kMaxP + kMaxN) * kLdRows + 4 * sizeof(float) * kRows;
+  // Chunk output: Q (then G) [rows][kLdQ]; S~ [P][kLdN], then K [rows][kLdN], then y
+  // (fp32 [rows][kLdY]) in one area; Xv^T [P][rows]; the per-token floats.
+  static constexpr size_t kQBytes = sizeof(Op) * (size_t)kRows * kLdQ;
+  static constexpr size_t kSKRows = kMaxP > kRows ? kMaxP : kRows;
+  static constexpr size_t kSKBytes0 = sizeof(Op) * kSKRows * kLdN;
+  static constexpr size_t kYBytes = sizeof(float) * (size_t)kRows * kLdY;
+  static constexpr size_t kSKBytes = kSKBytes0 > kYBytes ? kSKBytes0 : kYBytes;
+  static constexpr size_t kXvBytes = sizeof(Op) * (size_t)kMaxP * kLdRows;
+  static constexpr size_t kOutBytes = kQBytes + kSKBytes + kXvBytes + 4 * sizeof(float) * kRows;
+  static_assert(kStateBytes <= kMaxSharedBytesPerBlock, "chunk state kernel over the shared-memory limit");
+  static_assert(kOutBytes <= kMaxSharedBytesPerBlock, "chunk output kernel over the shared-memory limit");
+  static_assert(kQBytes % 16 == 0 && kSKBytes % 16 == 0 && kXvBytes % 16 == 0, "areas stay 16-byte aligned");
+};
+
+constexpr int kStateThreads = 256;
+
+// The run that chunk c belongs to (runs.chunk_begin is ascending).
+__device__ __forceinline__ int run_of_chunk(const PrefillRuns& runs, int c) {
+  int lo = 0, hi = runs.n_runs - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (runs.chunk_begin[mid] <= c) lo = mid; else hi = mid - 1;
+  }
+  return lo;
+}
+
+// Where chunk c's tokens are: rows [first, first + len) of run `run`, which ends at run_end.
+struct ChunkPlace {
+  int run, first, len, run_end;
+};
+__device__ __forceinline__ ChunkPlace chunk_place(const PrefillScanArgs& a, int c, int chunk_tokens) {
+  ChunkPlace p;
+  p.run = run_of_chunk(a.runs, c);
+  p.first = a.runs.token_begin[p.run] + (c - a.runs.chunk_begin[p.run]) * chunk_tokens;
+  p.run_end = a.runs.token_begin[p.run + 1];
+  p.len = min(chunk_tokens, p.run_end - p.first);
+  return p;
+}
+
+// Warp 0: L[i] (running sum of a inside the chunk), gamma[i] and u[i] (gamma plus the next
+// token's (1-trap)*dt, none past the run's end) for the chunk's tokens.
+__device__ __forceinline__ void chunk_token_terms(const PrefillScanArgs& a, const ChunkPlace& cp, int h,
+                                                  float* L, float* gam, float* u) {
+  if (threadIdx.x >= 32) return;
+  const int lane = threadIdx.x, H = a.dims.heads;
+  float carry = 0.f;
+  for (int base = 0; base < cp.len; base += 32) {
+    const int i = base + lane;
+    const int t = cp.first + i;
+    float v = i < cp.len ? a.ws.tok_a[(int64_t)t * H + h] : 0.f;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const float n = __shfl_up_sync(0xffffffffu, v, o);
+      if (lane >= o) v += n;
+    }
+    if (i < cp.len) {
+      L[i] = carry + v;
+      const float g = a.ws.tok_gamma[(int64_t)t * H + h];
+      gam[i] = g;
+      u[i] = g + (t + 1 < cp.run_end ? a.ws.tok_bterm[(int64_t)(t + 1) * H + h] : 0.f);
+    }
+    carry += __shfl_sync(0xffffffffu, v, 31);
+  }
+}
+
+// Entries i0, i1 of row (t, r) of k (B, B_bias) or q (C, C_bias) after bias and rotation:
+// pair i of N/2 (halves (i, i+N/2) for MIMO, adjacent (2i, 2i+1) otherwise), rotated by
+// theta_t[i] when i < S.
+__device__ __forceinline__ void rotated_pair(const PrefillScanArgs& a, const float* normed, const float* bias,
+                                             const float* theta_t, int i, float& v0, float& v1, int& i0, int& i1) {
+  const int N = a.dims.d_state, half = N / 2;
+  i0 = a.mimo_rotation ? i : 2 * i;
+  i1 = a.mimo_rotation ? i + half : 2 * i + 1;
+  const float x0 = normed[i0] + bias[i0], x1 = normed[i1] + bias[i1];
+  if (i < a.dims.n_angles) {
+    float sn, cs;
+    sincosf(theta_t[i], &sn, &cs);
+    v0 = x0 * cs - x1 * sn;
+    v1 = x0 * sn + x1 * cs;
+  } else {
+    v0 = x0;
+    v1 = x1;
+  }
+}
+
+// Row j = t * R + r of the chunk's k (is_k) or q, written to dst[i0 * col_stride + j * row_stride]
+// for every entry (zeros for rows past m).
+template <typename Op>
+__device__ __forceinline__ void fill_rotated(const PrefillScanArgs& a, const ChunkPlace& cp, int h, bool is_k,
+                                             int rows, Op* dst, int row_stride, int col_stride, int threads) {
+  const int N = a.dims.d_state, R = a.dims.rank, H = a.dims.heads, S = a.dims.n_angles, half = N / 2;
+  const int m = cp.len * R;
+  for (int idx = threadIdx.x; idx < rows * half; idx += threads) {
+    const int j = idx / half, i = idx % half;
+    float v0 = 0.f, v1 = 0.f;
+    int i0 = a.mimo_rotation ? i : 2 * i, i1 = a.mimo_rotation ? i + half : 2 * i + 1;
+    if (j < m) {
+      const int t = cp.first + j / R, r = j % R;
+      const float* normed = (is_k ? a.ws.b_norm : a.ws.c_norm) + ((int64_t)t * R + r) * N;
+      const float* bias = (is_k ? a.B_bias : a.C_bias) + ((int64_t)h * R + r) * N;
+      rotated_pair(a, normed, bias, a.ws.theta + ((int64_t)t * H + h) * S, i, v0, v1, i0, i1);
+    }
+    dst[j * row_stride + i0 * col_stride] = to_operand<Op>(v0);
+    dst[j * row_stride + i1 * col_stride] = to_operand<Op>(v1);
+  }
+}
+
+// ---- 1. token params --------------------------------------------------------------------
+constexpr int kParamThreads = 128;
+__global__ void __launch_bounds__(kParamThreads) prefill_token_params_kernel(const ScanParams prm) {
+  const PrefillScanArgs& a = prm.a;
+  const int t = blockIdx.x;
+  const int H = a.dims.heads, N = a.dims.d_state, R = a.dims.rank;
+  const float* row = a.w + (int64_t)t * a.w_stride;
+  for (int h = threadIdx.x; h < H; h += kParamThreads) {
+    const float dt = softplus(row[a.off_dt + h] + a.dt_bias[h]);
+    const float dA = row[a.off_A + h];
+    const float A = fminf(-(fmaxf(dA, 0.f) + 1.f / (1.f - fminf(dA, 0.f))), -a.a_floor);
+    const float trap = 1.f / (1.f + expf(-row[a.off_trap + h]));
+    const int64_t i = (int64_t)t * H + h;
+    a.ws.tok_a[i] = A * dt;
+    a.ws.tok_gamma[i] = trap * dt;
+    a.ws.tok_bterm[i] = (1.f - trap) * dt;
+    a.ws.tok_dt[i] = dt;
+  }
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  for (int v = warp; v < 2 * R; v += kParamThreads / 32) {
+    const bool is_b = v < R;
+    const int r = is_b ? v : v - R;
+    const float* src = row + (is_b ? a.off_B : a.off_C) + r * N;
+    const float* nw = is_b ? a.B_norm : a.C_norm;
+    float ss = 0.f;
+    for (int n = lane; n < N; n += 32) ss += src[n] * src[n];
+    const float scale = rsqrtf(warp_sum(ss) / N + a.norm_eps);
+    float* dst = (is_b ? a.ws.b_norm : a.ws.c_norm) + ((int64_t)t * R + r) * N;
+    for (int n = lane; n < N; n += 32) dst[n] = src[n] * scale * nw[n];
+  }
+}
+
+// ---- 2. angles ----------------------------------------------------------------------------
+// A warp per (run, head, angle s); each lane takes 4 consecutive tokens per pass.
+constexpr int kAngleThreads = 256;
+__global__ void __launch_bounds__(kAngleThreads) prefill_angles_kernel(const ScanParams prm) {
+  const PrefillScanArgs& a = prm.a;
+  const int H = a.dims.heads, S = a.dims.n_angles;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int s = blockIdx.x * (kAngleThreads / 32) + warp, h = blockIdx.y, run = blockIdx.z;
+  if (s >= S) return;
+  const int t0 = a.runs.token_begin[run], t1 = a.runs.token_begin[run + 1];
+  const int slot = a.runs.slot[run], parity = a.runs.parity[run] & 1;
+  const int parity_new = (parity + (t1 - t0)) & 1;
+  float* st = a.state + slot * a.slot_stride + a.layer_offset + prm.layout.angle;
+  float carry = st[(int64_t)parity * H * S + h * S + s];  // every lane reads before lane 0 writes
+  for (int base = t0; base < t1; base += 128) {
+    float inc[4];
+    float run_sum = 0.f;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const int t = base + lane * 4 + k;
+      inc[k] = t < t1 ? tanhf(a.w[(int64_t)t * a.w_stride + a.off_ang + s]) * a.ws.tok_dt[(int64_t)t * H + h] * kPi : 0.f;
+      run_sum += inc[k];
+      inc[k] = run_sum;  // inclusive within the lane
+    }
+    float scan = run_sum;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const float n = __shfl_up_sync(0xffffffffu, scan, o);
+      if (lane >= o) scan += n;
+    }
+    const float before = carry + (scan - run_sum);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const int t = base + lane * 4 + k;
+      if (t < t1) a.ws.theta[((int64_t)t * H + h) * S + s] = before + inc[k];
+    }
+    carry += __shfl_sync(0xffffffffu, scan, 31);
+  }
+  if (lane == 0) st[(int64_t)parity_new * H * S + h * S + s] = carry;
+}
+
+// ---- 3. chunk state -----------------------------------------------------------------------
+// dS[p][n] = sum_j XvW[j][p] K[j][n] with XvW[(t,r)][p] = exp(L_e - L_t) u_t x_t[p] mimo_x[r][p].
+template <typename Op>
+__global__ void __launch_bounds__(kStateThreads) prefill_chunk_state_kernel(const ScanParams prm) {
+  using Sm = ChunkSmem<Op>;
+  const PrefillScanArgs& a = prm.a;
+  const int c = blockIdx.x, h = blockIdx.y;
+  const int H = a.dims.heads, P = a.dims.headdim, N = a.dims.d_state, R = a.dims.rank;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  extern __shared__ float4 smem4[];
+  Op* xvw_t = reinterpret_cast<Op*>(smem4);     // [P][kLdRows]
+  Op* k_t = xvw_t + kMaxP * Sm::kLdRows;        // [N][kLdRows]
+  float* L = reinterpret_cast<float*>(k_t + kMaxN * Sm::kLdRows);
+  float* gam = L + Sm::kRows;
+  float* u = gam + Sm::kRows;
+  float* wts = u + Sm::kRows;
+
+  const ChunkPlace cp = chunk_place(a, c, Sm::kRows / R);
+  const int m = cp.len * R, m16 = (m + 15) & ~15;
+  chunk_token_terms(a, cp, h, L, gam, u);
+  __syncthreads();
+  for (int i = threadIdx.x; i < cp.len; i += kStateThreads) wts[i] = expf(L[cp.len - 1] - L[i]) * u[i];
+  fill_rotated<Op>(a, cp, h, /*is_k=*/true, m16, k_t, 1, Sm::kLdRows, kStateThreads);
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < P * m16; idx += kStateThreads) {
+    const int p = idx / m16, j = idx % m16;
+    float v = 0.f;
+    if (j < m) {
+      const int t = j / R, r = j % R;
+      v = wts[t] * (a.w[(int64_t)(cp.first + t) * a.w_stride + a.off_x + h * P + p] *
+                    a.mimo_x[((int64_t)h * R + r) * P + p]);
+    }
+    xvw_t[p * Sm::kLdRows + j] = to_operand<Op>(v);
+  }
+  __syncthreads();
+
+  float* delta = a.ws.chunk_delta + ((int64_t)c * H + h) * P * N;
+  const int groups = (N + 63) / 64, jobs = (P / 16) * groups;
+  const int g = lane >> 2, cq = lane & 3;
+  for (int job = warp; job < jobs; job += kStateThreads / 32) {
+    const int rt = job / groups, ng = job % groups;
+    const int nt_limit = min(8, N / 8 - ng * 8);
+    float acc[8][4] = {};
+    warp_tile_mma<8>(acc, xvw_t + rt * 16 * Sm::kLdRows, Sm::kLdRows, k_t + ng * 64 * Sm::kLdRows, Sm::kLdRows, m16,
+                     nt_limit);
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+      if (nt < nt_limit) {
+        const int p = rt * 16 + g, n = ng * 64 + nt * 8 + 2 * cq;
+        *reinterpret_cast<float2*>(delta + (int64_t)p * N + n) = make_float2(acc[nt][0], acc[nt][1]);
+        *reinterpret_cast<float2*>(delta + (int64_t)(p + 8) * N + n) = make_float2(acc[nt][2], acc[nt][3]);
+      }
+    }
+  }
+  if (threadIdx.x == 0) a.ws.chunk_log_decay[(int64_t)c * H + h] = L[cp.len - 1];
+}
+
+// ---- 4. state pass ------------------------------------------------------------------------
+__device__ __forceinline__ void store4(__nv_bfloat16* p, float4 v) {
+  __nv_bfloat162 lo = __floats2bfloat162_rn(v.x, v.y), hi = __floats2bfloat162_rn(v.z, v.w);
+  uint2 bits;
+  bits.x = *reinterpret_cast<uint32_t*>(&lo);
+  bits.y = *reinterpret_cast<uint32_t*>(&hi);
+  *reinterpret_cast<uint2*>(p) = bits;
+}
+__device__ __forceinline__ void store4(float* p, float4 v) { *reinterpret_cast<float4*>(p) = v; }
+
+// Four consecutive state entries of one row per thread, through the run's chunks in order.
+template <typename Op>
+__global__ void __launch_bounds__(kStateThreads) prefill_state_pass_kernel(const ScanParams prm) {
+  const PrefillScanArgs& a = prm.a;
+  const int H = a.dims.heads, P = a.dims.headdim, N = a.dims.d_state, R = a.dims.rank;
+  const int h = blockIdx.y, run = blockIdx.z;
+  const int e = (blockIdx.x * kStateThreads + threadIdx.x) * 4;
+  if (e >= P * N) return;
+  const int p = e / N, n = e % N;
+  const int slot = a.runs.slot[run], parity = a.runs.parity[run] & 1;
+  const int t0 = a.runs.token_begin[run];
+  float* st = a.state + slot * a.slot_stride + a.layer_offset;
+  float* ssm = st + prm.layout.ssm + ((int64_t)h * P + p) * N + n;
+  float4 s = *reinterpret_cast<const float4*>(ssm);
+  // The slot's previous token enters at the run's first step with weight (1-trap)*dt there.
+  const float nb = a.ws.tok_bterm[(int64_t)t0 * H + h];
+  const float xp = st[prm.layout.x_prev + h * P + p];
+  const float* kp = st + prm.layout.k_prev + (int64_t)parity * H * R * N + (int64_t)h * R * N + n;
+  for (int r = 0; r < R; ++r) {
+    const float coef = nb * (xp * a.mimo_x[((int64_t)h * R + r) * P + p]);
+    const float4 k = *reinterpret_cast<const float4*>(kp + r * N);
+    s.x = fmaf(coef, k.x, s.x); s.y = fmaf(coef, k.y, s.y); s.z = fmaf(coef, k.z, s.z); s.w = fmaf(coef, k.w, s.w);
+  }
+  const int c0 = a.runs.chunk_begin[run], c1 = a.runs.chunk_begin[run + 1];
+  Op* state_in = static_cast<Op*>(a.ws.chunk_state_in);
+#pragma unroll 4
+  for (int c = c0; c < c1; ++c) {
+    const int64_t at = ((int64_t)c * H + h) * P * N + (int64_t)p * N + n;
+    const float4 d = *reinterpret_cast<const float4*>(a.ws.chunk_delta + at);
+    const float decay = expf(a.ws.chunk_log_decay[(int64_t)c * H + h]);
+    store4(state_in + at, s);
+    s.x = fmaf(decay, s.x, d.x); s.y = fmaf(decay, s.y, d.y); s.z = fmaf(decay, s.z, d.z); s.w = fmaf(decay, s.w, d.w);
+  }
+  *reinterpret_cast<float4*>(ssm) = s;
+}
+
+// ---- 5. chunk output ----------------------------------------------------------------------
+template <typename Op>
+__global__ void __launch_bounds__(ChunkSmem<Op>::kThreadsOut) prefill_chunk_output_kernel(const ScanParams prm) {
+  using Sm = ChunkSmem<Op>;
+  constexpr int kThreads = Sm::kThreadsOut;
+  const PrefillScanArgs& a = prm.a;
+  const int c = blockIdx.x, h = blockIdx.y;
+  const int H = a.dims.heads, P = a.dims.headdim, N = a.dims.d_state, R = a.dims.rank;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, cq = lane & 3;
+  extern __shared__ float4 smem4[];
+  unsigned char* base = reinterpret_cast<unsigned char*>(smem4);
+  Op* q = reinterpret_cast<Op*>(base);                              // [rows][kLdQ], later G
+  Op* sk = reinterpret_cast<Op*>(base + Sm::kQBytes);               // S~ [P][kLdN], then K [rows][kLdN]
+  float* ys = reinterpret_cast<float*>(base + Sm::kQBytes);         // then y [rows][kLdY]
+  Op* xv_t = reinterpret_cast<Op*>(base + Sm::kQBytes + Sm::kSKBytes);  // [P][kLdRows]
+  float* L = reinterpret_cast<float*>(base + Sm::kQBytes + Sm::kSKBytes + Sm::kXvBytes);
+  float* gam = L + Sm::kRows;
+  float* u = gam + Sm::kRows;
+  float* rs = u + Sm::kRows;
+
+  const ChunkPlace cp = chunk_place(a, c, Sm::kRows / R);
+  const int m = cp.len * R, m16 = (m + 15) & ~15;
+  chunk_token_terms(a, cp, h, L, gam, u);
+  fill_rotated<Op>(a, cp, h, /*is_k=*/false, m16, q, Sm::kLdQ, 1, kThreads);
+  {
+    const Op* src = static_cast<const Op*>(a.ws.chunk_state_in) + ((int64_t)c * H + h) * P * N;
+    for (int idx = threadIdx.x; idx < P * N; idx += kThreads) sk[(idx / N) * Sm::kLdN + idx % N] = src[idx];
+  }
+  for (int idx = threadIdx.x; idx < P * m16; idx += kThreads) {
+    const int p = idx / m16, j = idx % m16;
+    float v = 0.f;
+    if (j < m) {
+      const int t = j / R, r = j % R;
+      v = a.w[(int64_t)(cp.first + t) * a.w_stride + a.off_x + h * P + p] * a.mimo_x[((int64_t)h * R + r) * P + p];
+    }
+    xv_t[p * Sm::kLdRows + j] = to_operand<Op>(v);
+  }
+  __syncthreads();
+
+  // This warp's rows: 16 * warp + g and + 8 (tokens row / R; 16 is a multiple of R, so a
+  // warp's rows never share a token with a later warp's).
+  const int row0 = warp * 16;
+  const bool active = row0 < m16;
+  const int i_lo = row0 + g, i_hi = i_lo + 8;
+  constexpr int kPT = kMaxP / 8;
+  float y[kPT][4] = {};
+  if (active) {  // what the chunk inherits: exp(L_t) q_t . S~
+    warp_tile_mma<kPT>(y, q + row0 * Sm::kLdQ, Sm::kLdQ, sk, Sm::kLdN, N, P / 8);
+    const float e_lo = i_lo < m ? expf(L[i_lo / R]) : 0.f, e_hi = i_hi < m ? expf(L[i_hi / R]) : 0.f;
+#pragma unroll
+    for (int nt = 0; nt < kPT; ++nt) {
+      y[nt][0] *= e_lo; y[nt][1] *= e_lo; y[nt][2] *= e_hi; y[nt][3] *= e_hi;
+    }
+  }
+  __syncthreads();
+  fill_rotated<Op>(a, cp, h, /*is_k=*/true, m16, sk, Sm::kLdN, 1, kThreads);
+  __syncthreads();
+
+  if (active) {
+    // G = (Q K^T) .* M over this warp's rows and the columns up to its diagonal.
+    constexpr int kGT = Sm::kRows / 8;
+    const int g_tiles = (row0 + 16) / 8;
+    float gacc[kGT][4] = {};
+    warp_tile_mma<kGT>(gacc, q + row0 * Sm::kLdQ, Sm::kLdQ, sk, Sm::kLdN, N, g_tiles);
+    const int t_lo = i_lo / R, t_hi = i_hi / R;
+#pragma unroll
+    for (int nt = 0; nt < kGT; ++nt) {
+      if (nt < g_tiles) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int i = e < 2 ? i_lo : i_hi, t = e < 2 ? t_lo : t_hi;
+          const int j = nt * 8 + 2 * cq + (e & 1), s = j / R;
+          float mask = 0.f;
+          if (i < m && j < m && s <= t) mask = s == t ? gam[t] : expf(L[t] - L[s]) * u[s];
+          gacc[nt][e] *= mask;
+        }
+      }
+    }
+    __syncwarp();  // every lane is done reading this warp's q rows
+#pragma unroll
+    for (int nt = 0; nt < kGT; ++nt) {
+      if (nt < g_tiles) {
+        Op* d = q + i_lo * Sm::kLdQ + nt * 8 + 2 * cq;
+        d[0] = to_operand<Op>(gacc[nt][0]);
+        d[1] = to_operand<Op>(gacc[nt][1]);
+        d[8 * Sm::kLdQ] = to_operand<Op>(gacc[nt][2]);
+        d[8 * Sm::kLdQ + 1] = to_operand<Op>(gacc[nt][3]);
+      }
+    }
+    __syncwarp();
+    warp_tile_mma<kPT>(y, q + row0 * Sm::kLdQ, Sm::kLdQ, xv_t, Sm::kLdRows, row0 + 16, P / 8);
+  }
+  __syncthreads();  // K is no longer read: its area takes y
+  if (active) {
+    const float Dh = a.D[h];
+#pragma unroll
+    for (int nt = 0; nt < kPT; ++nt) {
+      if (nt < P / 8) {
+        const int p = nt * 8 + 2 * cq;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int i = half == 0 ? i_lo : i_hi;
+          if (i >= m) continue;
+          const int t = i / R, r = i % R;
+          const float* x = a.w + (int64_t)(cp.first + t) * a.w_stride + a.off_x + h * P;
+          const float* mx = a.mimo_x + ((int64_t)h * R + r) * P;
+          ys[i * Sm::kLdY + p] = y[nt][2 * half] + Dh * (x[p] * mx[p]);
+          ys[i * Sm::kLdY + p + 1] = y[nt][2 * half + 1] + Dh * (x[p + 1] * mx[p + 1]);
+        }
+      }
+    }
+  }
+  __syncthreads();
+  if (a.out_norm != nullptr) {
+    for (int i = warp; i < m; i += kThreads / 32) {
+      float ss = 0.f;
+      for (int p = lane; p < P; p += 32) ss += ys[i * Sm::kLdY + p] * ys[i * Sm::kLdY + p];
+      ss = warp_sum(ss);
+      if (lane == 0) rs[i] = rsqrtf(ss / P + a.norm_eps);
+    }
+    __syncthreads();
+  }
+  for (int idx = threadIdx.x; idx < cp.len * P; idx += kThreads) {
+    const int t = idx / P, p = idx % P;
+    const int64_t row = cp.first + t;
+    const float z = a.w[row * a.w_stride + a.off_z + h * P + p];
+    float out = 0.f;
+    for (int r = 0; r < R; ++r) {
+      const int i = t * R + r;
+      const int64_t hr = ((int64_t)h * R + r) * P + p;
+      float yv = ys[i * Sm::kLdY + p];
+      if (a.out_norm != nullptr) yv *= rs[i] * a.out_norm[h * P + p];
+      out += yv * silu(z * a.mimo_z[hr]) * a.mimo_o[hr];
+    }
+    if (a.o_bf16) {
+      static_cast<__nv_bfloat16*>(a.o)[row * a.o_stride + h * P + p] = __float2bfloat16_rn(out);
+    } else {
+      static_cast<float*>(a.o)[row * a.o_stride + h * P + p] = out;
+    }
+  }
+  if (cp.first + cp.len == cp.run_end) {  // the run's last token becomes k_prev, x_prev
+    const int t0 = a.runs.token_begin[cp.run];
+    const int slot = a.runs.slot[cp.run];
+    const int parity_new = (a.runs.parity[cp.run] + (cp.run_end - t0)) & 1;
+    float* st = a.state + slot * a.slot_stride + a.layer_offset;
+    float* kp = st + prm.layout.k_prev + (int64_t)parity_new * H * R * N + (int64_t)h * R * N;
+    const int t = cp.run_end - 1, half = N / 2;
+    for (int idx = threadIdx.x; idx < R * half; idx += kThreads) {
+      const int r = idx / half, i = idx % half;
+      float v0, v1;
+      int i0, i1;
+      rotated_pair(a, a.ws.b_norm + ((int64_t)t * R + r) * N, a.B_bias + ((int64_t)h * R + r) * N,
+                   a.ws.theta + ((int64_t)t * H + h) * a.dims.n_angles, i, v0, v1, i0, i1);
+      kp[r * N + i0] = v0;
+      kp[r * N + i1] = v1;
+    }
+    for (int p = threadIdx.x; p < P; p += kThreads) {
+      st[prm.layout.x_prev + h * P + p] = a.w[(int64_t)t * a.w_stride + a.off_x + h * P + p];
+    }
+  }
+}
+
+template <typename Op>
+void set_smem_limits() {
+  using Sm = ChunkSmem<Op>;
+  const std::pair<const void*, size_t> kernels[] = {
+      {reinterpret_cast<const void*>(prefill_chunk_state_kernel<Op>), Sm::kStateBytes},
+      {reinterpret_cast<const void*>(prefill_chunk_output_kernel<Op>), Sm::kOutBytes},
+  };
+  for (const auto& [fn, bytes] : kernels) {
+    cudaFuncAttributes attr{};
+    M3_CUDA_CHECK(cudaFuncGetAttributes(&attr, fn));
+    if (attr.sharedSizeBytes + bytes > kMaxSharedBytesPerBlock) {
+      throw std::runtime_error("prefill chunk kernel needs " + std::to_string(attr.sharedSizeBytes + bytes) +
+                               " bytes of shared memory per block, over the " +
+                               std::to_string(kMaxSharedBytesPerBlock) + "-byte limit");
+    }
+    M3_CUDA_CHECK(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+  }
+}
+
+template <typename Op>
+void launch_chunks(const ScanParams& prm, cudaStream_t stream) {
+  using Sm = ChunkSmem<Op>;
+  const PrefillScanArgs& a = prm.a;
+  const int H = a.dims.heads, P = a.dims.headdim, N = a.dims.d_state;
+  prefill_chunk_state_kernel<Op><<<dim3(a.runs.n_chunks, H), kStateThreads, Sm::kStateBytes, stream>>>(prm);
+  M3_CUDA_CHECK(cudaGetLastError());
+  const int tiles = (P * N / 4 + kStateThreads - 1) / kStateThreads;
+  prefill_state_pass_kernel<Op><<<dim3(tiles, H, a.runs.n_runs), kStateThreads, 0, stream>>>(prm);
+  M3_CUDA_CHECK(cudaGetLastError());
+  prefill_chunk_output_kernel<Op><<<dim3(a.runs.n_chunks, H), Sm::kThreadsOut, Sm::kOutBytes, stream>>>(prm);
+  M3_CUDA_CHECK(cudaGetLastError());
+}
+
+size_t align256(size_t v) { return (v + 255) & ~size_t{255}; }
+
+}  // namespace
+
+std::optional<std::string> prefill_scan_shape_refusal(const PrefillScanDims& d) {
+  if (d.heads <= 0) return "heads must be positive";
+  if (d.headdim <= 0 || d.headdim % 16 != 0 || d.headdim > kMaxP) return "headdim must be a multiple of 16, at most 64";
+  if (d.d_state <= 0 || d.d_state % 16 != 0 || d.d_state > kMaxN) return "d_state must be a multiple of 16, at most 128";
+  if (d.rank != 1 && d.rank != 2 && d.rank != 4 && d.rank != 8) return "mimo_rank must be 1, 2, 4 or 8";
+  if (d.n_angles < 0 || 2 * d.n_angles > d.d_state) return "at most d_state / 2 angles";
+  return std::nullopt;
+}
+
+int fill_prefill_runs(std::span<const int32_t> lengths, int chunk_tokens, int32_t* token_begin,
+                      int32_t* chunk_begin) {
+  if (chunk_tokens <= 0) throw std::invalid_argument("prefill runs: chunk_tokens must be positive");
+  token_begin[0] = 0;
+  chunk_begin[0] = 0;
+  for (size_t i = 0; i < lengths.size(); ++i) {
+    if (lengths[i] <= 0) {
+      throw std::invalid_argument("prefill runs: run " + std::to_string(i) + " has " + std::to_string(lengths[i]) +
+                                  " tokens; every run needs at least one");
+    }
+    token_begin[i + 1] = token_begin[i] + lengths[i];
+    chunk_begin[i + 1] = chunk_begin[i] + (lengths[i] + chunk_tokens - 1) / chunk_tokens;
+  }
+  return chunk_begin[lengths.size()];
+}
+
+size_t prefill_scan_workspace_bytes(const PrefillScanDims& d, int max_tokens, int max_runs) {
+  const size_t T = max_tokens, H = d.heads, R = d.rank, N = d.d_state, P = d.headdim, S = d.n_angles;
+  const size_t C = prefill_max_chunks(max_tokens, max_runs, prefill_chunk_tokens(d));
+  const size_t op = d.precision == ScanPrecision::Fp32 ? 4 : 2;
+  return 4 * align256(4 * T * H) + 2 * align256(4 * T * R * N) + align256(4 * T * H * S) + align256(4 * C * H) +
+         align256(4 * C * H * P * N) + align256(op * C * H * P * N);
+}
+
+PrefillScanWorkspace prefill_scan_workspace(const PrefillScanDims& d, int max_tokens, int max_runs, void* base) {
+  const size_t T = max_tokens, H = d.heads, R = d.rank, N = d.d_state, P = d.headdim, S = d.n_angles;
+  const size_t C = prefill_max_chunks(max_tokens, max_runs, prefill_chunk_tokens(d));
+  char* at = static_cast<char*>(base);
+  auto take = [&](size_t bytes) {
+    char* p = at;
+    at += align256(bytes);
+    return p;
+  };
+  PrefillScanWorkspace w;
+  w.tok_a = reinterpret_cast<float*>(take(4 * T * H));
+  w.tok_gamma = reinterpret_cast<float*>(take(4 * T * H));
+  w.tok_bterm = reinterpret_cast<float*>(take(4 * T * H));
+  w.tok_dt = reinterpret_cast<float*>(take(4 * T * H));
+  w.b_norm = reinterpret_cast<float*>(take(4 * T * R * N));
+  w.c_norm = reinterpret_cast<float*>(take(4 * T * R * N));
+  w.theta = reinterpret_cast<float*>(take(4 * T * H * S));
+  w.chunk_log_decay = reinterpret_cast<float*>(take(4 * C * H));
+  w.chunk_delta = reinterpret_cast<float*>(take(4 * C * H * P * N));
+  w.chunk_state_in = take((d.precision == ScanPrecision::Fp32 ? 4 : 2) * C * H * P * N);
+  return w;
+}
+
+void prepare_prefill_scan(const PrefillScanDims& d) {
+  if (const auto refusal = prefill_scan_shape_refusal(d)) {
+    throw std::invalid_argument("prefill scan (H " + std::to_string(d.heads) + ", P " + std::to_string(d.headdim) +
+                                ", N " + std::to_string(d.d_state) + ", R " + std::to_string(d.rank) + ", S " +
+                                std::to_string(d.n_angles) + "): " + *refusal);
+  }
+  if (d.precision == ScanPrecision::Fp32) {
+    set_smem_limits<float>();
+  } else {
+    set_smem_limits<__nv_bfloat16>();
+  }
+}
+
+void launch_prefill_scan(const PrefillScanArgs& a, cudaStream_t stream) {
+  if (a.runs.n_tokens <= 0 || a.runs.n_runs <= 0) return;
+  const PrefillScanDims& d = a.dims;
+  const ScanParams prm{a, mimo_state_layout(d.heads, d.headdim, d.d_state, d.rank, d.n_angles)};
+  prefill_token_params_kernel<<<a.runs.n_tokens, kParamThreads, 0, stream>>>(prm);
+  M3_CUDA_CHECK(cudaGetLastError());
+  if (d.n_angles > 0) {
+    const int per_block = kAngleThreads / 32;
+    prefill_angles_kernel<<<dim3((d.n_angles + per_block - 1) / per_block, d.heads, a.runs.n_runs), kAngleThreads, 0,
+                            stream>>>(prm);
+    M3_CUDA_CHECK(cudaGetLastError());
+  }
+  if (d.precision == ScanPrecision::Fp32) {
+    launch_chunks<float>(prm, stream);
+  } else {
+    launch_chunks<__nv_bfloat16>(prm, stream);
+  }
+}
+
+}  // namespace m3::kernels

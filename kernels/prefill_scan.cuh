@@ -1,0 +1,155 @@
+// The Mamba-3 MIMO mixer between in_proj and out_proj for a run of tokens per slot at once
+// (chunked prefill, ../shared/docs/MAMBA3_MIMO_PREFILL.md): it leaves each slot's state as
+// the same tokens fed one decode step at a time would, in the decode step's layout
+// (MimoStateLayout, angle and k_prev double-buffered by step parity), and writes o for
+// out_proj for every token.
+//
+// The arithmetic. Token s's input xv_s k_s^T (summed over the rank) reaches the state twice
+// in the step recurrence: at step s with weight gamma_s and at step s+1 with weight
+// beta_{s+1} = (1-trap_{s+1}) dt_{s+1} alpha_{s+1}. Both are folded into one weight, so one
+// masked product carries both input terms: with L_t the running sum of a = A*dt inside a
+// chunk and u_s = gamma_s + (1-trap_{s+1}) dt_{s+1} (the second term 0 for the run's last
+// token),
+//     S_t = exp(L_t) S~ + sum_{s<t} exp(L_t - L_s) u_s xv_s k_s^T + gamma_t xv_t k_t^T
+// where S~ is the state entering the chunk with its last token's next-step term already
+// added (S~ = S + (1-trap_c) dt_c xv_{c-1} k_{c-1}^T; for the run's first chunk that is the
+// slot's state plus its x_prev/k_prev term). Every exponent is <= 0.
+//
+// Kernels, in stream order (launch_prefill_scan runs all five):
+//   1. token params (per token): dt, a = A*dt, gamma, (1-trap)*dt per head; B and C
+//      RMSNorm (head-independent with one group) into the workspace.
+//   2. angles (per run, head, angle): theta_t as a running sum from the slot's angle state
+//      (a warp scan over the run's tokens); writes theta for every token and the slot's
+//      final angle (parity (p + T) & 1).
+//   3. chunk state (per chunk, head): dS = Xv^T diag(exp(L_e - L_s) u_s) K on tensor cores.
+//   4. state pass (per run, head, state tile): S~ entering every chunk, in chunk order;
+//      reads the slot's ssm, x_prev and k_prev (parity p) and writes the final ssm.
+//   5. chunk output (per chunk, head): y = exp(L) .* (Q S~^T) + ((Q K^T) .* M) Xv + D Xv on
+//      tensor cores, then the gate, the optional grouped RMSNorm and mimo_o into o; the
+//      run's last chunk writes k_prev (parity (p + T) & 1) and x_prev.
+// Only kernel 4 reads ssm/x_prev/k_prev and only kernel 5 writes k_prev/x_prev, so runs of
+// even length (old and new parity the same buffer) are safe: stream order separates them.
+//
+// Precision: Bf16TensorCores rounds the products' operands (q, k, xv, the masked Q K^T and
+// the incoming state) to bf16 with fp32 accumulation, for bf16-weight engines (logits
+// within 3e-2); Fp32 computes the same products with fp32 FMAs in the same fragment layout
+// (tf32 operands would lose 2^-11 per term, too close to the fp32 engine's 1e-3 budget once
+// summed over hundreds of tokens), with smaller chunks to fit shared memory.
+//
+// How the engine calls it, per prefill call (runs concatenated in one token-row matrix):
+//   once at load: prefill_scan_workspace_bytes(dims, max_tokens, max_runs) bytes, carved by
+//     prefill_scan_workspace(); prepare_prefill_scan(dims) (shared-memory checks);
+//   per call: fill_prefill_runs() on the host into the run table, copy it to the device;
+//   per layer: rmsnorm_rows (kernels/prefill_rows.cuh), in_proj (LtGemm), launch_prefill_scan,
+//     out_proj (LtGemm accumulating into the residual), MLP (rmsnorm_rows, LtGemm fc1,
+//     gated_silu_rows, LtGemm fc2 accumulating); then norm_f + lm_head for each run's last
+//     token (the decode gemv), sampling.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+
+#include "kernels/common.cuh"
+
+namespace m3::kernels {
+
+enum class ScanPrecision { Bf16TensorCores, Fp32 };
+
+struct PrefillScanDims {
+  int heads = 0, headdim = 0, d_state = 0, rank = 0, n_angles = 0;  // H, P, N, R, S
+  ScanPrecision precision = ScanPrecision::Bf16TensorCores;
+};
+
+// (token, rank) rows of one chunk: the masked product is [kRows x kRows].
+inline constexpr int kPrefillRowsBf16 = 128;
+inline constexpr int kPrefillRowsFp32 = 64;
+// Tokens per chunk: the rows over the rank (32 at rank 4 in bf16, 16 in fp32).
+inline int prefill_chunk_tokens(const PrefillScanDims& d) {
+  return (d.precision == ScanPrecision::Fp32 ? kPrefillRowsFp32 : kPrefillRowsBf16) / d.rank;
+}
+
+// Why the prefill kernels cannot run a head shape (nullopt: they can): headdim a multiple
+// of 16 up to 64, d_state a multiple of 16 up to 128, rank 1, 2, 4 or 8, at most N/2 angles.
+std::optional<std::string> prefill_scan_shape_refusal(const PrefillScanDims& d);
+
+// The runs of one call on the device. Runs are consecutive blocks of token rows: run i is
+// rows [token_begin[i], token_begin[i+1]) (at least one token) and chunks
+// [chunk_begin[i], chunk_begin[i+1]).
+struct PrefillRuns {
+  const int32_t* slot = nullptr;         // [n_runs]
+  const int32_t* parity = nullptr;       // [n_runs] decode steps the slot took before the run, & 1
+  const int32_t* token_begin = nullptr;  // [n_runs + 1]
+  const int32_t* chunk_begin = nullptr;  // [n_runs + 1]
+  int n_runs = 0, n_tokens = 0, n_chunks = 0;
+};
+
+// Host side of the run table: token_begin and chunk_begin (n_runs + 1 each) from the runs'
+// lengths; returns the number of chunks. Throws on an empty run.
+int fill_prefill_runs(std::span<const int32_t> lengths, int chunk_tokens, int32_t* token_begin,
+                      int32_t* chunk_begin);
+// Most chunks max_tokens tokens in at most max_runs runs can take.
+inline int prefill_max_chunks(int max_tokens, int max_runs, int chunk_tokens) {
+  return max_tokens / chunk_tokens + max_runs;
+}
+
+// Scratch of one call, carved from one allocation made at load.
+struct PrefillScanWorkspace {
+  float* tok_a = nullptr;      // [T][H] A*dt
+  float* tok_gamma = nullptr;  // [T][H] trap*dt
+  float* tok_bterm = nullptr;  // [T][H] (1-trap)*dt
+  float* tok_dt = nullptr;     // [T][H]
+  float* b_norm = nullptr;     // [T][R][N] RMS-normed B (before bias and rotation)
+  float* c_norm = nullptr;     // [T][R][N]
+  float* theta = nullptr;      // [T][H][S]
+  float* chunk_log_decay = nullptr;  // [chunks][H] sum of a over the chunk
+  float* chunk_delta = nullptr;      // [chunks][H][P][N] the chunk's own contribution
+  void* chunk_state_in = nullptr;    // [chunks][H][P][N] S~ entering the chunk (bf16 or fp32)
+};
+size_t prefill_scan_workspace_bytes(const PrefillScanDims& d, int max_tokens, int max_runs);
+PrefillScanWorkspace prefill_scan_workspace(const PrefillScanDims& d, int max_tokens, int max_runs, void* base);
+
+struct PrefillScanArgs {
+  PrefillScanDims dims;
+  bool mimo_rotation = true;  // rotate halves (i, i+N/2); false: adjacent pairs (SISO)
+  float a_floor = 1e-4f;
+  float norm_eps = 1e-5f;
+  // in_proj output [n_tokens, w_stride] (fp32) and the offsets of its split.
+  const float* w = nullptr;
+  int w_stride = 0;
+  int off_z = 0, off_x = 0, off_B = 0, off_C = 0, off_dt = 0, off_A = 0, off_trap = 0, off_ang = 0;
+  // Parameters (fp32), as MimoStepArgs.
+  const float* dt_bias = nullptr;   // [H]
+  const float* D = nullptr;         // [H]
+  const float* B_bias = nullptr;    // [H, R, N]
+  const float* C_bias = nullptr;    // [H, R, N]
+  const float* B_norm = nullptr;    // [N]
+  const float* C_norm = nullptr;    // [N]
+  const float* mimo_x = nullptr;    // [H, R, P]
+  const float* mimo_z = nullptr;    // [H, R, P]
+  const float* mimo_o = nullptr;    // [H, R, P]
+  const float* out_norm = nullptr;  // [H*P] or nullptr (is_outproj_norm off)
+  // State: slot s, this layer at state + s * slot_stride + layer_offset (MimoStateLayout).
+  float* state = nullptr;
+  int64_t slot_stride = 0;
+  int64_t layer_offset = 0;
+  PrefillRuns runs;
+  PrefillScanWorkspace ws;
+  // o[t, h*P + p] for out_proj: bf16 (o_bf16) or fp32, rows o_stride elements apart.
+  void* o = nullptr;
+  int o_stride = 0;
+  bool o_bf16 = false;
+};
+
+// Load time: checks the shape (throws with the reason) and every kernel's shared memory
+// against kMaxSharedBytesPerBlock, and raises their dynamic shared-memory limits.
+void prepare_prefill_scan(const PrefillScanDims& d);
+
+// The five kernels on `stream` (sizes from args.runs; nothing allocated or chosen).
+void launch_prefill_scan(const PrefillScanArgs& args, cudaStream_t stream);
+
+}  // namespace m3::kernels
