@@ -4,6 +4,7 @@
 // the grouped output norm, and for a run read in pieces. No GPU needed.
 #include <gtest/gtest.h>
 
+#include <ostream>
 #include <random>
 #include <string>
 #include <vector>
@@ -32,6 +33,11 @@ struct Case {
   twin::ScanDims d;
   int chunk_tokens;
 };
+
+void PrintTo(const Case& c, std::ostream* os) {
+  *os << "H" << c.d.H << " P" << c.d.P << " N" << c.d.N << " R" << c.d.R << " S" << c.d.S
+      << (c.d.out_norm ? " out_norm" : "") << (c.d.mimo_rotation ? "" : " pairs") << " chunk " << c.chunk_tokens;
+}
 
 class ChunkedTwin : public ::testing::TestWithParam<Case> {};
 

@@ -1,0 +1,143 @@
+// The prefill row kernels (kernels/prefill_rows.cuh) and the cuBLASLt projection wrapper
+// (kernels/gemm_lt.cuh) against float64 CPU twins on random odd-sized inputs; outputs
+// start as NaN, so every element must be written.
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "gpu_test_util.h"
+#include "kernels/gemm_lt.cuh"
+#include "kernels/prefill_rows.cuh"
+#include "model/tensor.h"
+#include "tests/error_of.h"
+
+namespace m3 {
+namespace {
+
+using kernels::WeightType;
+using testing::DeviceArray;
+
+std::vector<float> download_as_float(const DeviceArray<float>& f, const DeviceArray<uint16_t>& b, WeightType t) {
+  if (t == WeightType::F32) return f.download();
+  const std::vector<uint16_t> bits = b.download();
+  std::vector<float> out(bits.size());
+  for (size_t i = 0; i < bits.size(); ++i) out[i] = bf16_to_f32(bits[i]);
+  return out;
+}
+
+TEST(PrefillRows, GatherCopiesTheRowsOfTheIdsClamped) {
+  M3_REQUIRE_CUDA_DEVICE();
+  const int V = 37, cols = 72, rows = 9, stride = cols + 5;
+  for (WeightType t : {WeightType::F32, WeightType::BF16}) {
+    const std::vector<float> table = testing::round_bf16(testing::random_floats(V * cols, 1));
+    DeviceArray<float> t32(table);
+    DeviceArray<uint16_t> t16(testing::to_bf16(table));
+    const std::vector<int32_t> ids = {0, 36, 5, 5, -3, 99, 12, 1, 30};
+    DeviceArray<int32_t> dids(ids);
+    DeviceArray<float> out(static_cast<size_t>(rows) * stride);
+    out.poison();
+    kernels::gather_rows(t == WeightType::F32 ? static_cast<const void*>(t32.get()) : t16.get(), t, V, cols,
+                         dids.get(), rows, out.get(), stride, nullptr);
+    const std::vector<float> got = out.download();
+    for (int r = 0; r < rows; ++r) {
+      const int id = std::min(std::max(ids[r], 0), V - 1);
+      for (int c = 0; c < cols; ++c) ASSERT_EQ(got[r * stride + c], table[id * cols + c]) << "row " << r << " col " << c;
+    }
+  }
+}
+
+TEST(PrefillRows, RmsNormAndGatedSiluMatchTheirTwins) {
+  M3_REQUIRE_CUDA_DEVICE();
+  const int rows = 13, cols = 333, x_stride = 341, out_stride = 336, F = 150, in_stride = 2 * F + 7;
+  const std::vector<float> x = testing::random_floats(static_cast<size_t>(rows) * x_stride, 2, -2.f, 2.f);
+  const std::vector<float> wgt = testing::random_floats(cols, 3, 0.5f, 1.5f);
+  const std::vector<float> fc1 = testing::random_floats(static_cast<size_t>(rows) * in_stride, 4, -4.f, 4.f);
+  DeviceArray<float> dx(x), dw(wgt), dfc1(fc1);
+  for (WeightType t : {WeightType::F32, WeightType::BF16}) {
+    SCOPED_TRACE(t == WeightType::F32 ? "fp32 out" : "bf16 out");
+    const double tol = t == WeightType::F32 ? 1e-6 : 4e-3;
+    DeviceArray<float> o32(static_cast<size_t>(rows) * out_stride);
+    DeviceArray<uint16_t> o16(static_cast<size_t>(rows) * out_stride);
+    o32.poison();
+    o16.poison();
+    void* out = t == WeightType::F32 ? static_cast<void*>(o32.get()) : static_cast<void*>(o16.get());
+    kernels::rmsnorm_rows(dx.get(), x_stride, dw.get(), cols, 1e-5f, out, t, out_stride, rows, nullptr);
+    std::vector<float> got = download_as_float(o32, o16, t);
+    std::vector<double> expect, got_d;
+    for (int r = 0; r < rows; ++r) {
+      double ss = 0;
+      for (int c = 0; c < cols; ++c) ss += static_cast<double>(x[r * x_stride + c]) * x[r * x_stride + c];
+      const double sc = 1.0 / std::sqrt(ss / cols + 1e-5);
+      for (int c = 0; c < cols; ++c) {
+        expect.push_back(x[r * x_stride + c] * sc * wgt[c]);
+        got_d.push_back(got[r * out_stride + c]);
+      }
+    }
+    EXPECT_LE(testing::max_rel_err(std::vector<float>(got_d.begin(), got_d.end()), expect), tol) << "rmsnorm";
+
+    o32.poison();
+    o16.poison();
+    kernels::gated_silu_rows(dfc1.get(), in_stride, F, out, t, out_stride, rows, nullptr);
+    got = download_as_float(o32, o16, t);
+    expect.clear();
+    got_d.clear();
+    for (int r = 0; r < rows; ++r)
+      for (int i = 0; i < F; ++i) {
+        const double a = fc1[r * in_stride + i], g = fc1[r * in_stride + F + i];
+        expect.push_back(a * g / (1 + std::exp(-g)));
+        got_d.push_back(got[r * out_stride + i]);
+      }
+    EXPECT_LE(testing::max_rel_err(std::vector<float>(got_d.begin(), got_d.end()), expect), tol) << "gated silu";
+  }
+}
+
+// y (+)= x W^T at several row counts (inside one bucket, at a bucket's edge, past 128 and
+// 1024), both weight types, storing and accumulating.
+TEST(PrefillGemm, MatchesTheTwinAtEveryRowBucket) {
+  M3_REQUIRE_CUDA_DEVICE();
+  const int out_f = 200, in_f = 136, max_rows = 1100;
+  const int x_stride = 144, y_stride = 203;
+  const int padded = kernels::lt_gemm_padded_rows(max_rows);
+  ASSERT_GE(padded, max_rows);
+  kernels::LtContext ctx;
+  const std::vector<float> W = testing::round_bf16(testing::random_floats(static_cast<size_t>(out_f) * in_f, 5));
+  const std::vector<float> X = testing::round_bf16(testing::random_floats(static_cast<size_t>(padded) * x_stride, 6));
+  const std::vector<float> Y0 = testing::random_floats(static_cast<size_t>(padded) * y_stride, 7);
+  DeviceArray<float> w32(W), x32(X);
+  DeviceArray<uint16_t> w16(testing::to_bf16(W)), x16(testing::to_bf16(X));
+  for (WeightType t : {WeightType::F32, WeightType::BF16}) {
+    for (bool accumulate : {false, true}) {
+      kernels::LtGemmShape shape{out_f, in_f, max_rows, t, x_stride, y_stride, accumulate};
+      const kernels::LtGemm gemm(ctx, shape);
+      for (int rows : {1, 16, 17, 130, 1024, 1100}) {
+        SCOPED_TRACE(std::string(t == WeightType::F32 ? "fp32" : "bf16") + (accumulate ? " accumulate" : " store") +
+                     " rows " + std::to_string(rows));
+        DeviceArray<float> y(Y0);
+        if (!accumulate) y.poison();
+        gemm.run(t == WeightType::F32 ? static_cast<const void*>(w32.get()) : w16.get(),
+                 t == WeightType::F32 ? static_cast<const void*>(x32.get()) : x16.get(), y.get(), rows, nullptr);
+        M3_CUDA_CHECK(cudaDeviceSynchronize());
+        const std::vector<float> got = y.download();
+        std::vector<float> g;
+        std::vector<double> e;
+        for (int r = 0; r < rows; ++r)
+          for (int j = 0; j < out_f; ++j) {
+            double acc = accumulate ? Y0[r * y_stride + j] : 0.0;
+            for (int k = 0; k < in_f; ++k) acc += static_cast<double>(X[r * x_stride + k]) * W[j * in_f + k];
+            e.push_back(acc);
+            g.push_back(got[r * y_stride + j]);
+          }
+        EXPECT_LE(testing::max_rel_err(g, e), 1e-5);
+        // Columns past out_features in each row are not the GEMM's.
+        for (int r = 0; r < rows; ++r)
+          for (int j = out_f; j < y_stride && accumulate; ++j) ASSERT_EQ(got[r * y_stride + j], Y0[r * y_stride + j]);
+      }
+      EXPECT_NE(test::error_of<std::invalid_argument>([&] { gemm.run(w32.get(), x32.get(), nullptr, 0, nullptr); })
+                    .find("called with 0 rows"),
+                std::string::npos);
+    }
+  }
+}
+
+}  // namespace
+}  // namespace m3

@@ -1,0 +1,225 @@
+// The five prefill scan kernels (kernels/prefill_scan.cuh) against the float64 step twin
+// (tests/kernels/prefill_twin.h): several runs per call, each its own slot with its own
+// state parity, lengths that start and end inside chunks (1 to 255 tokens), both
+// precisions, ranks 1 to 8, rotary fractions 0.5 and 1.0, MIMO and adjacent-pair rotation,
+// the grouped output norm on and off. Every o entry starts as NaN and must be written; the
+// full state of every run's slot is compared, and everything else must stay untouched.
+#include <cstring>
+#include <ostream>
+#include <string>
+#include <vector>
+
+#include "gpu_test_util.h"
+#include "kernels/mimo_step.cuh"
+#include "kernels/prefill_scan.cuh"
+#include "model/tensor.h"
+#include "prefill_twin.h"
+#include "tests/error_of.h"
+
+namespace m3 {
+namespace {
+
+using kernels::ScanPrecision;
+using testing::DeviceArray;
+
+struct GpuCase {
+  twin::ScanDims d;
+  ScanPrecision precision;
+};
+
+std::string name_of(const GpuCase& c) {
+  return "H" + std::to_string(c.d.H) + " P" + std::to_string(c.d.P) + " N" + std::to_string(c.d.N) + " R" +
+         std::to_string(c.d.R) + " S" + std::to_string(c.d.S) + (c.d.out_norm ? " out_norm" : "") +
+         (c.d.mimo_rotation ? "" : " pairs") + (c.precision == ScanPrecision::Fp32 ? " fp32" : " bf16");
+}
+
+// gtest prints parameters into the ctest names: the shape, not the struct's bytes.
+void PrintTo(const GpuCase& c, std::ostream* os) { *os << name_of(c); }
+
+twin::HeadStates read_state(const twin::ScanDims& d, const kernels::MimoStateLayout& L, const std::vector<float>& st,
+                            int64_t base, int parity) {
+  const int64_t H = d.H, P = d.P, N = d.N, R = d.R, S = d.S;
+  twin::HeadStates h;
+  h.angle.assign(st.begin() + base + L.angle + parity * H * S, st.begin() + base + L.angle + (parity + 1) * H * S);
+  h.ssm.assign(st.begin() + base + L.ssm, st.begin() + base + L.ssm + H * P * N);
+  h.k_prev.assign(st.begin() + base + L.k_prev + parity * H * R * N,
+                  st.begin() + base + L.k_prev + (parity + 1) * H * R * N);
+  h.x_prev.assign(st.begin() + base + L.x_prev, st.begin() + base + L.x_prev + H * P);
+  return h;
+}
+
+std::vector<double> widen(const std::vector<float>& v) { return std::vector<double>(v.begin(), v.end()); }
+
+// One call of launch_prefill_scan over `lengths` (run i on slot slots[i]); checks o and states.
+void run_call(const GpuCase& c, const std::vector<int>& lengths, const std::vector<int>& slots, uint32_t seed) {
+  SCOPED_TRACE(name_of(c) + " seed " + std::to_string(seed));
+  const twin::ScanDims& d = c.d;
+  const bool fp32 = c.precision == ScanPrecision::Fp32;
+  const kernels::MimoStateLayout L = kernels::mimo_state_layout(d.H, d.P, d.N, d.R, d.S);
+  kernels::PrefillScanDims kd{d.H, d.P, d.N, d.R, d.S, c.precision};
+  kernels::prepare_prefill_scan(kd);
+  const int n_runs = static_cast<int>(lengths.size());
+  const int n_slots = n_runs + 2;  // slot 0 and the last one take no run
+  const int64_t slot_stride = 2 * L.floats, layer_offset = L.floats;  // the second of two layers
+  const twin::InProjSplit split = twin::in_proj_split(d, 5);
+  const twin::ScanParams p = twin::random_params(d, seed);
+
+  std::vector<int32_t> token_begin(n_runs + 1), chunk_begin(n_runs + 1), parity(n_runs), slot32(slots.begin(), slots.end());
+  const int chunk_tokens = kernels::prefill_chunk_tokens(kd);
+  const int n_chunks = kernels::fill_prefill_runs(std::vector<int32_t>(lengths.begin(), lengths.end()), chunk_tokens,
+                                                  token_begin.data(), chunk_begin.data());
+  const int T = token_begin[n_runs];
+  for (int i = 0; i < n_runs; ++i) parity[i] = (i * 7 + static_cast<int>(seed)) & 1;
+
+  const std::vector<float> w = testing::random_floats(static_cast<size_t>(T) * split.stride, seed + 50, -1.5f, 1.5f);
+  const std::vector<float> state0 = testing::random_floats(static_cast<size_t>(n_slots) * slot_stride, seed + 51, -0.5f, 0.5f);
+  const int di = d.H * d.P, o_stride = di + 3;
+
+  DeviceArray<float> dw(w), dstate(state0);
+  DeviceArray<float> dt_bias(p.dt_bias), D(p.D), B_bias(p.B_bias), C_bias(p.C_bias), B_norm(p.B_norm),
+      C_norm(p.C_norm), mimo_x(p.mimo_x), mimo_z(p.mimo_z), mimo_o(p.mimo_o), out_norm(p.out_norm);
+  DeviceArray<int32_t> dslot(slot32), dparity(parity), dtok(token_begin), dchunk(chunk_begin);
+  DeviceArray<unsigned char> ws(kernels::prefill_scan_workspace_bytes(kd, T, n_runs));
+  ws.poison();
+  DeviceArray<float> o32(static_cast<size_t>(T) * o_stride);
+  DeviceArray<uint16_t> o16(static_cast<size_t>(T) * o_stride);
+  o32.poison();
+  o16.poison();
+
+  kernels::PrefillScanArgs a;
+  a.dims = kd;
+  a.mimo_rotation = d.mimo_rotation;
+  a.a_floor = static_cast<float>(d.a_floor);
+  a.norm_eps = static_cast<float>(d.eps);
+  a.w = dw.get();
+  a.w_stride = split.stride;
+  a.off_z = split.z; a.off_x = split.x; a.off_B = split.B; a.off_C = split.C;
+  a.off_dt = split.dt; a.off_A = split.A; a.off_trap = split.trap; a.off_ang = split.ang;
+  a.dt_bias = dt_bias.get(); a.D = D.get(); a.B_bias = B_bias.get(); a.C_bias = C_bias.get();
+  a.B_norm = B_norm.get(); a.C_norm = C_norm.get();
+  a.mimo_x = mimo_x.get(); a.mimo_z = mimo_z.get(); a.mimo_o = mimo_o.get();
+  a.out_norm = d.out_norm ? out_norm.get() : nullptr;
+  a.state = dstate.get();
+  a.slot_stride = slot_stride;
+  a.layer_offset = layer_offset;
+  a.runs = kernels::PrefillRuns{dslot.get(), dparity.get(), dtok.get(), dchunk.get(), n_runs, T, n_chunks};
+  a.ws = kernels::prefill_scan_workspace(kd, T, n_runs, ws.get());
+  a.o = fp32 ? static_cast<void*>(o32.get()) : static_cast<void*>(o16.get());
+  a.o_stride = o_stride;
+  a.o_bf16 = !fp32;
+  kernels::launch_prefill_scan(a, nullptr);
+  M3_CUDA_CHECK(cudaDeviceSynchronize());
+
+  std::vector<float> o(static_cast<size_t>(T) * o_stride);
+  if (fp32) {
+    o = o32.download();
+  } else {
+    const std::vector<uint16_t> bits = o16.download();
+    for (size_t i = 0; i < bits.size(); ++i) o[i] = bf16_to_f32(bits[i]);
+  }
+  const std::vector<float> state = dstate.download();
+  // fp32: the angles grow to thousands of radians over a long run, where fp32 sums (the
+  // decode step's too) drift by ~1e-3 rad from float64; an indexing error costs O(1).
+  const double tol_o = fp32 ? 2e-3 : 3e-2, tol_ssm = fp32 ? 2e-3 : 2e-2, tol_vec = 2e-3;
+
+  std::vector<bool> slot_used(n_slots, false);
+  for (int i = 0; i < n_runs; ++i) {
+    SCOPED_TRACE("run " + std::to_string(i) + " of " + std::to_string(lengths[i]) + " tokens, slot " +
+                 std::to_string(slots[i]) + ", parity " + std::to_string(parity[i]));
+    slot_used[slots[i]] = true;
+    const int64_t base = slots[i] * slot_stride + layer_offset;
+    twin::HeadStates expect = read_state(d, L, state0, base, parity[i]);
+    std::vector<double> o_expect;
+    twin::step_run(d, p, split, w.data() + static_cast<size_t>(token_begin[i]) * split.stride, lengths[i], expect,
+                   o_expect);
+    std::vector<double> o_got;
+    for (int t = token_begin[i]; t < token_begin[i + 1]; ++t)
+      for (int j = 0; j < di; ++j) o_got.push_back(o[static_cast<size_t>(t) * o_stride + j]);
+    EXPECT_LE(twin::max_rel_diff(o_got, o_expect), tol_o) << "o";
+    const int parity_new = (parity[i] + lengths[i]) & 1;
+    const twin::HeadStates got = read_state(d, L, state, base, parity_new);
+    EXPECT_LE(twin::max_rel_diff(got.ssm, expect.ssm), tol_ssm) << "ssm";
+    EXPECT_LE(twin::max_rel_diff(got.angle, expect.angle), tol_vec) << "angle";
+    EXPECT_LE(twin::max_rel_diff(got.k_prev, expect.k_prev), tol_vec) << "k_prev";
+    EXPECT_LE(twin::max_rel_diff(got.x_prev, expect.x_prev), 0.0) << "x_prev";
+    // The first layer of the slot is not this call's.
+    EXPECT_EQ(0, std::memcmp(state.data() + slots[i] * slot_stride, state0.data() + slots[i] * slot_stride,
+                             sizeof(float) * layer_offset));
+  }
+  for (int s = 0; s < n_slots; ++s) {
+    if (slot_used[s]) continue;
+    EXPECT_EQ(0, std::memcmp(state.data() + s * slot_stride, state0.data() + s * slot_stride, sizeof(float) * slot_stride))
+        << "slot " << s << " took no run but changed";
+  }
+}
+
+twin::ScanDims dims(int H, int P, int N, int R, double rope, bool out_norm, bool mimo_rotation = true) {
+  twin::ScanDims d;
+  d.H = H; d.P = P; d.N = N; d.R = R;
+  d.S = static_cast<int>(N * rope) / 2;
+  d.out_norm = out_norm;
+  d.mimo_rotation = mimo_rotation;
+  return d;
+}
+
+class PrefillScanGpu : public ::testing::TestWithParam<GpuCase> {};
+
+TEST_P(PrefillScanGpu, MatchesStepTwinOnEveryRunLength) {
+  M3_REQUIRE_CUDA_DEVICE();
+  // Runs of 1, 2, 15, 16, 17, 63, 64, 65 and 255 tokens over two calls, slots out of order.
+  run_call(GetParam(), {17, 1, 255, 64, 2}, {3, 1, 5, 2, 4}, 1);
+  run_call(GetParam(), {15, 65, 16, 63}, {2, 4, 1, 3}, 2);
+}
+
+TEST_P(PrefillScanGpu, OneLongRun) {
+  M3_REQUIRE_CUDA_DEVICE();
+  run_call(GetParam(), {1000}, {1}, 3);
+}
+
+std::vector<GpuCase> cases() {
+  std::vector<GpuCase> out;
+  for (ScanPrecision prec : {ScanPrecision::Bf16TensorCores, ScanPrecision::Fp32}) {
+    out.push_back({dims(2, 64, 128, 4, 0.5, false), prec});  // the s2s head shape
+    out.push_back({dims(2, 64, 128, 4, 1.0, true), prec});
+    out.push_back({dims(3, 16, 32, 2, 0.5, true), prec});
+    out.push_back({dims(2, 32, 48, 1, 1.0, false), prec});
+    out.push_back({dims(1, 16, 32, 8, 0.5, false), prec});
+    out.push_back({dims(2, 16, 16, 1, 1.0, false, false), prec});
+  }
+  return out;
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, PrefillScanGpu, ::testing::ValuesIn(cases()),
+                         [](const ::testing::TestParamInfo<GpuCase>& info) { return "case" + std::to_string(info.index); });
+
+TEST(PrefillScanHost, RefusesShapesTheKernelsCannotRun) {
+  using kernels::PrefillScanDims;
+  EXPECT_NE(test::error_of<std::invalid_argument>([] {
+              kernels::prepare_prefill_scan(PrefillScanDims{4, 80, 128, 4, 32, ScanPrecision::Fp32});
+            }).find("headdim must be a multiple of 16, at most 64"),
+            std::string::npos);
+  EXPECT_NE(test::error_of<std::invalid_argument>([] {
+              kernels::prepare_prefill_scan(PrefillScanDims{4, 64, 256, 4, 32, ScanPrecision::Fp32});
+            }).find("d_state must be a multiple of 16, at most 128"),
+            std::string::npos);
+  EXPECT_NE(test::error_of<std::invalid_argument>([] {
+              kernels::prepare_prefill_scan(PrefillScanDims{4, 64, 128, 3, 32, ScanPrecision::Fp32});
+            }).find("mimo_rank must be 1, 2, 4 or 8"),
+            std::string::npos);
+  EXPECT_FALSE(kernels::prefill_scan_shape_refusal(PrefillScanDims{28, 64, 128, 4, 32, ScanPrecision::Bf16TensorCores}));
+}
+
+TEST(PrefillScanHost, RunTableCountsChunksAndRefusesEmptyRuns) {
+  std::vector<int32_t> tb(4), cb(4);
+  EXPECT_EQ(kernels::fill_prefill_runs(std::vector<int32_t>{1, 32, 33}, 32, tb.data(), cb.data()), 1 + 1 + 2);
+  EXPECT_EQ(tb, (std::vector<int32_t>{0, 1, 33, 66}));
+  EXPECT_EQ(cb, (std::vector<int32_t>{0, 1, 2, 4}));
+  EXPECT_NE(test::error_of<std::invalid_argument>([&] {
+              kernels::fill_prefill_runs(std::vector<int32_t>{4, 0}, 32, tb.data(), cb.data());
+            }).find("run 1 has 0 tokens"),
+            std::string::npos);
+  EXPECT_LE(4, kernels::prefill_max_chunks(66, 3, 32));
+}
+
+}  // namespace
+}  // namespace m3
