@@ -52,7 +52,22 @@ __global__ void __launch_bounds__(kThreads) gated_silu_rows_kernel(const float* 
   for (int i = threadIdx.x; i < F; i += kThreads) store_as(dst + i, row[i] * silu(row[F + i]));
 }
 
+__global__ void __launch_bounds__(kThreads) last_rows_kernel(const float* x, int x_stride, const int32_t* token_begin,
+                                                             int cols, float* out, int out_stride) {
+  const int i = blockIdx.x;
+  const float* src = x + static_cast<int64_t>(token_begin[i + 1] - 1) * x_stride;
+  float* dst = out + static_cast<int64_t>(i) * out_stride;
+  for (int c = threadIdx.x; c < cols; c += kThreads) dst[c] = src[c];
+}
+
 }  // namespace
+
+void last_rows_of_runs(const float* x, int x_stride, const int32_t* token_begin, int runs, int cols, float* out,
+                       int out_stride, cudaStream_t stream) {
+  if (runs <= 0) return;
+  last_rows_kernel<<<runs, kThreads, 0, stream>>>(x, x_stride, token_begin, cols, out, out_stride);
+  M3_CUDA_CHECK(cudaGetLastError());
+}
 
 void gather_rows(const void* table, WeightType table_type, int vocab_rows, int cols, const int32_t* ids, int rows,
                  float* out, int out_stride, cudaStream_t stream) {

@@ -91,6 +91,22 @@ TEST(PrefillRows, RmsNormAndGatedSiluMatchTheirTwins) {
   }
 }
 
+TEST(PrefillRows, LastRowsOfRunsPacksEachRunsLastToken) {
+  M3_REQUIRE_CUDA_DEVICE();
+  const int cols = 45, stride = 50, out_stride = 47;
+  const std::vector<int32_t> token_begin = {0, 1, 18, 19, 83};
+  const int runs = 4, T = token_begin.back();
+  const std::vector<float> x = testing::random_floats(static_cast<size_t>(T) * stride, 9);
+  DeviceArray<float> dx(x), out(static_cast<size_t>(runs) * out_stride);
+  DeviceArray<int32_t> dtb(token_begin);
+  out.poison();
+  kernels::last_rows_of_runs(dx.get(), stride, dtb.get(), runs, cols, out.get(), out_stride, nullptr);
+  const std::vector<float> got = out.download();
+  for (int i = 0; i < runs; ++i)
+    for (int c = 0; c < cols; ++c)
+      ASSERT_EQ(got[i * out_stride + c], x[(token_begin[i + 1] - 1) * stride + c]) << "run " << i << " col " << c;
+}
+
 // y (+)= x W^T at several row counts (inside one bucket, at a bucket's edge, past 128 and
 // 1024), both weight types, storing and accumulating.
 TEST(PrefillGemm, MatchesTheTwinAtEveryRowBucket) {
