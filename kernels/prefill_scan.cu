@@ -99,16 +99,16 @@ __device__ __forceinline__ void chunk_token_terms(const PrefillScanArgs& a, cons
 
 // Entries i0, i1 of row (t, r) of k (B, B_bias) or q (C, C_bias) after bias and rotation:
 // pair i of N/2 (halves (i, i+N/2) for MIMO, adjacent (2i, 2i+1) otherwise), rotated by
-// theta_t[i] when i < S.
+// theta_t[i] (rot_t[i] = its cos and sin) when i < S.
 __device__ __forceinline__ void rotated_pair(const PrefillScanArgs& a, const float* normed, const float* bias,
-                                             const float* theta_t, int i, float& v0, float& v1, int& i0, int& i1) {
+                                             const float2* rot_t, int i, float& v0, float& v1, int& i0, int& i1) {
   const int N = a.dims.d_state, half = N / 2;
   i0 = a.mimo_rotation ? i : 2 * i;
   i1 = a.mimo_rotation ? i + half : 2 * i + 1;
   const float x0 = normed[i0] + bias[i0], x1 = normed[i1] + bias[i1];
   if (i < a.dims.n_angles) {
-    float sn, cs;
-    sincosf(theta_t[i], &sn, &cs);
+    const float2 r = rot_t[i];
+    const float cs = r.x, sn = r.y;
     v0 = x0 * cs - x1 * sn;
     v1 = x0 * sn + x1 * cs;
   } else {
@@ -132,7 +132,7 @@ __device__ __forceinline__ void fill_rotated(const PrefillScanArgs& a, const Chu
       const int t = cp.first + j / R, r = j % R;
       const float* normed = (is_k ? a.ws.b_norm : a.ws.c_norm) + ((int64_t)t * R + r) * N;
       const float* bias = (is_k ? a.B_bias : a.C_bias) + ((int64_t)h * R + r) * N;
-      rotated_pair(a, normed, bias, a.ws.theta + ((int64_t)t * H + h) * S, i, v0, v1, i0, i1);
+      rotated_pair(a, normed, bias, a.ws.rot + ((int64_t)t * H + h) * S, i, v0, v1, i0, i1);
     }
     dst[j * row_stride + i0 * col_stride] = to_operand<Op>(v0);
     dst[j * row_stride + i1 * col_stride] = to_operand<Op>(v1);
@@ -172,44 +172,54 @@ __global__ void __launch_bounds__(kParamThreads) prefill_token_params_kernel(con
 }
 
 // ---- 2. angles ----------------------------------------------------------------------------
-// A warp per (run, head, angle s); each lane takes 4 consecutive tokens per pass.
+// A block per (run, head, angle s): warp w takes the w-th of 8 contiguous segments of the
+// run, so the dependent chain is T/8 tokens long. Pass 1 sums each segment; the block scans
+// the 8 totals; pass 2 rewalks each segment with lanes over 32 consecutive tokens (a warp
+// scan), writing cos and sin of theta_t (the rotation the chunk kernels apply).
 constexpr int kAngleThreads = 256;
+constexpr int kAngleWarps = kAngleThreads / 32;
+__device__ __forceinline__ float angle_increment(const PrefillScanArgs& a, int t, int h, int s) {
+  return tanhf(a.w[(int64_t)t * a.w_stride + a.off_ang + s]) * a.ws.tok_dt[(int64_t)t * a.dims.heads + h] * kPi;
+}
 __global__ void __launch_bounds__(kAngleThreads) prefill_angles_kernel(const ScanParams prm) {
   const PrefillScanArgs& a = prm.a;
   const int H = a.dims.heads, S = a.dims.n_angles;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int s = blockIdx.x * (kAngleThreads / 32) + warp, h = blockIdx.y, run = blockIdx.z;
-  if (s >= S) return;
+  const int s = blockIdx.x, h = blockIdx.y, run = blockIdx.z;
   const int t0 = a.runs.token_begin[run], t1 = a.runs.token_begin[run + 1];
+  const int seg = (t1 - t0 + kAngleWarps - 1) / kAngleWarps;
+  const int b0 = min(t1, t0 + warp * seg), b1 = min(t1, b0 + seg);
+  __shared__ float totals[kAngleWarps];
+  float sum = 0.f;
+  for (int t = b0 + lane; t < b1; t += 32) sum += angle_increment(a, t, h, s);
+  sum = warp_sum(sum);
+  if (lane == 0) totals[warp] = sum;
   const int slot = a.runs.slot[run], parity = a.runs.parity[run] & 1;
-  const int parity_new = (parity + (t1 - t0)) & 1;
-  float* st = a.state + slot * a.slot_stride + a.layer_offset + prm.layout.angle;
-  float carry = st[(int64_t)parity * H * S + h * S + s];  // every lane reads before lane 0 writes
-  for (int base = t0; base < t1; base += 128) {
-    float inc[4];
-    float run_sum = 0.f;
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const int t = base + lane * 4 + k;
-      inc[k] = t < t1 ? tanhf(a.w[(int64_t)t * a.w_stride + a.off_ang + s]) * a.ws.tok_dt[(int64_t)t * H + h] * kPi : 0.f;
-      run_sum += inc[k];
-      inc[k] = run_sum;  // inclusive within the lane
-    }
-    float scan = run_sum;
+  float* angle = a.state + slot * a.slot_stride + a.layer_offset + prm.layout.angle + h * S + s;
+  const float theta0 = angle[(int64_t)parity * H * S];
+  __syncthreads();  // every thread has read the old angle and the totals are in
+  float carry = theta0;
+  for (int w = 0; w < warp; ++w) carry += totals[w];
+  for (int base = b0; base < b1; base += 32) {
+    const int t = base + lane;
+    float v = t < b1 ? angle_increment(a, t, h, s) : 0.f;
 #pragma unroll
     for (int o = 1; o < 32; o <<= 1) {
-      const float n = __shfl_up_sync(0xffffffffu, scan, o);
-      if (lane >= o) scan += n;
+      const float n = __shfl_up_sync(0xffffffffu, v, o);
+      if (lane >= o) v += n;
     }
-    const float before = carry + (scan - run_sum);
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const int t = base + lane * 4 + k;
-      if (t < t1) a.ws.theta[((int64_t)t * H + h) * S + s] = before + inc[k];
+    if (t < b1) {
+      float sn, cs;
+      sincosf(carry + v, &sn, &cs);
+      a.ws.rot[((int64_t)t * H + h) * S + s] = make_float2(cs, sn);
     }
-    carry += __shfl_sync(0xffffffffu, scan, 31);
+    carry += __shfl_sync(0xffffffffu, v, 31);
   }
-  if (lane == 0) st[(int64_t)parity_new * H * S + h * S + s] = carry;
+  if (threadIdx.x == 0) {
+    float total = theta0;
+    for (int w = 0; w < kAngleWarps; ++w) total += totals[w];
+    angle[(int64_t)((parity + (t1 - t0)) & 1) * H * S] = total;
+  }
 }
 
 // ---- 3. chunk state -----------------------------------------------------------------------
@@ -317,7 +327,7 @@ __global__ void __launch_bounds__(kStateThreads) prefill_state_pass_kernel(const
 
 // ---- 5. chunk output ----------------------------------------------------------------------
 template <typename Op>
-__global__ void __launch_bounds__(ChunkSmem<Op>::kThreadsOut) prefill_chunk_output_kernel(const ScanParams prm) {
+__global__ void __launch_bounds__(ChunkSmem<Op>::kThreadsOut, 1) prefill_chunk_output_kernel(const ScanParams prm) {
   using Sm = ChunkSmem<Op>;
   constexpr int kThreads = Sm::kThreadsOut;
   const PrefillScanArgs& a = prm.a;
@@ -467,7 +477,7 @@ __global__ void __launch_bounds__(ChunkSmem<Op>::kThreadsOut) prefill_chunk_outp
       float v0, v1;
       int i0, i1;
       rotated_pair(a, a.ws.b_norm + ((int64_t)t * R + r) * N, a.B_bias + ((int64_t)h * R + r) * N,
-                   a.ws.theta + ((int64_t)t * H + h) * a.dims.n_angles, i, v0, v1, i0, i1);
+                   a.ws.rot + ((int64_t)t * H + h) * a.dims.n_angles, i, v0, v1, i0, i1);
       kp[r * N + i0] = v0;
       kp[r * N + i1] = v1;
     }
@@ -543,7 +553,7 @@ size_t prefill_scan_workspace_bytes(const PrefillScanDims& d, int max_tokens, in
   const size_t T = max_tokens, H = d.heads, R = d.rank, N = d.d_state, P = d.headdim, S = d.n_angles;
   const size_t C = prefill_max_chunks(max_tokens, max_runs, prefill_chunk_tokens(d));
   const size_t op = d.precision == ScanPrecision::Fp32 ? 4 : 2;
-  return 4 * align256(4 * T * H) + 2 * align256(4 * T * R * N) + align256(4 * T * H * S) + align256(4 * C * H) +
+  return 4 * align256(4 * T * H) + 2 * align256(4 * T * R * N) + align256(8 * T * H * S) + align256(4 * C * H) +
          align256(4 * C * H * P * N) + align256(op * C * H * P * N);
 }
 
@@ -563,7 +573,7 @@ PrefillScanWorkspace prefill_scan_workspace(const PrefillScanDims& d, int max_to
   w.tok_dt = reinterpret_cast<float*>(take(4 * T * H));
   w.b_norm = reinterpret_cast<float*>(take(4 * T * R * N));
   w.c_norm = reinterpret_cast<float*>(take(4 * T * R * N));
-  w.theta = reinterpret_cast<float*>(take(4 * T * H * S));
+  w.rot = reinterpret_cast<float2*>(take(8 * T * H * S));
   w.chunk_log_decay = reinterpret_cast<float*>(take(4 * C * H));
   w.chunk_delta = reinterpret_cast<float*>(take(4 * C * H * P * N));
   w.chunk_state_in = take((d.precision == ScanPrecision::Fp32 ? 4 : 2) * C * H * P * N);
@@ -590,9 +600,7 @@ void launch_prefill_scan(const PrefillScanArgs& a, cudaStream_t stream) {
   prefill_token_params_kernel<<<a.runs.n_tokens, kParamThreads, 0, stream>>>(prm);
   M3_CUDA_CHECK(cudaGetLastError());
   if (d.n_angles > 0) {
-    const int per_block = kAngleThreads / 32;
-    prefill_angles_kernel<<<dim3((d.n_angles + per_block - 1) / per_block, d.heads, a.runs.n_runs), kAngleThreads, 0,
-                            stream>>>(prm);
+    prefill_angles_kernel<<<dim3(d.n_angles, d.heads, a.runs.n_runs), kAngleThreads, 0, stream>>>(prm);
     M3_CUDA_CHECK(cudaGetLastError());
   }
   if (d.precision == ScanPrecision::Fp32) {

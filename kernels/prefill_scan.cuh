@@ -19,8 +19,8 @@
 //   1. token params (per token): dt, a = A*dt, gamma, (1-trap)*dt per head; B and C
 //      RMSNorm (head-independent with one group) into the workspace.
 //   2. angles (per run, head, angle): theta_t as a running sum from the slot's angle state
-//      (a warp scan over the run's tokens); writes theta for every token and the slot's
-//      final angle (parity (p + T) & 1).
+//      (segment sums, then warp scans); writes cos and sin of theta_t for every token (the
+//      chunk kernels rotate with them) and the slot's final angle (parity (p + T) & 1).
 //   3. chunk state (per chunk, head): dS = Xv^T diag(exp(L_e - L_s) u_s) K on tensor cores.
 //   4. state pass (per run, head, state tile): S~ entering every chunk, in chunk order;
 //      reads the slot's ssm, x_prev and k_prev (parity p) and writes the final ssm.
@@ -105,7 +105,7 @@ struct PrefillScanWorkspace {
   float* tok_dt = nullptr;     // [T][H]
   float* b_norm = nullptr;     // [T][R][N] RMS-normed B (before bias and rotation)
   float* c_norm = nullptr;     // [T][R][N]
-  float* theta = nullptr;      // [T][H][S]
+  float2* rot = nullptr;       // [T][H][S] cos, sin of theta_t
   float* chunk_log_decay = nullptr;  // [chunks][H] sum of a over the chunk
   float* chunk_delta = nullptr;      // [chunks][H][P][N] the chunk's own contribution
   void* chunk_state_in = nullptr;    // [chunks][H][P][N] S~ entering the chunk (bf16 or fp32)
