@@ -44,6 +44,7 @@ struct ChunkSmem {
   static_assert(kStateBytes <= kMaxSharedBytesPerBlock, "chunk state kernel over the shared-memory limit");
   static_assert(kOutBytes <= kMaxSharedBytesPerBlock, "chunk output kernel over the shared-memory limit");
   static_assert(kQBytes % 16 == 0 && kSKBytes % 16 == 0 && kXvBytes % 16 == 0, "areas stay 16-byte aligned");
+  static_assert(kLdN * sizeof(Op) % 16 == 0, "rows of S~ take 16-byte stores");
 };
 
 constexpr int kStateThreads = 256;
@@ -349,9 +350,13 @@ __global__ void __launch_bounds__(ChunkSmem<Op>::kThreadsOut, 1) prefill_chunk_o
   const int m = cp.len * R, m16 = (m + 15) & ~15;
   chunk_token_terms(a, cp, h, L, gam, u);
   fill_rotated<Op>(a, cp, h, /*is_k=*/false, m16, q, Sm::kLdQ, 1, kThreads);
-  {
+  {  // S~ in 16-byte pieces (N is a multiple of 16, the smem rows 16-byte aligned)
+    constexpr int kVec = 16 / sizeof(Op);
     const Op* src = static_cast<const Op*>(a.ws.chunk_state_in) + ((int64_t)c * H + h) * P * N;
-    for (int idx = threadIdx.x; idx < P * N; idx += kThreads) sk[(idx / N) * Sm::kLdN + idx % N] = src[idx];
+    for (int idx = threadIdx.x; idx < P * N / kVec; idx += kThreads) {
+      const int e = idx * kVec;
+      *reinterpret_cast<uint4*>(sk + (e / N) * Sm::kLdN + e % N) = *reinterpret_cast<const uint4*>(src + e);
+    }
   }
   for (int idx = threadIdx.x; idx < P * m16; idx += kThreads) {
     const int p = idx / m16, j = idx % m16;
