@@ -4,6 +4,8 @@
 // precisions, ranks 1 to 8, rotary fractions 0.5 and 1.0, MIMO and adjacent-pair rotation,
 // the grouped output norm on and off. Every o entry starts as NaN and must be written; the
 // full state of every run's slot is compared, and everything else must stay untouched.
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <ostream>
 #include <string>
@@ -121,6 +123,52 @@ void run_call(const GpuCase& c, const std::vector<int>& lengths, const std::vect
   // fp32: the angles grow to thousands of radians over a long run, where fp32 sums (the
   // decode step's too) drift by ~1e-3 rad from float64; an indexing error costs O(1).
   const double tol_o = fp32 ? 2e-3 : 3e-2, tol_ssm = fp32 ? 2e-3 : 2e-2, tol_vec = 2e-3;
+
+  // The workspace's intermediates against the chunked twin's, run by run: a kernel that
+  // disagrees shows here by name before its errors reach o and the state.
+  const std::vector<unsigned char> wsh = ws.download();
+  auto host_of = [&](const void* dev) {
+    return wsh.data() + (static_cast<const unsigned char*>(dev) - static_cast<const unsigned char*>(static_cast<void*>(ws.get())));
+  };
+  auto floats_of = [&](const float* dev, size_t from, size_t n) {
+    const float* h = reinterpret_cast<const float*>(host_of(dev)) + from;
+    return std::vector<double>(h, h + n);
+  };
+  const size_t H = d.H, PN = static_cast<size_t>(d.P) * d.N, RN = static_cast<size_t>(d.R) * d.N;
+  for (int i = 0; i < n_runs; ++i) {
+    SCOPED_TRACE("intermediates of run " + std::to_string(i) + " (" + std::to_string(lengths[i]) + " tokens)");
+    twin::HeadStates scratch = read_state(d, L, state0, slots[i] * slot_stride + layer_offset, parity[i]);
+    std::vector<double> o_unused;
+    twin::ChunkTrace tr;
+    twin::chunked_run(d, p, split, w.data() + static_cast<size_t>(token_begin[i]) * split.stride, lengths[i],
+                      chunk_tokens, scratch, o_unused, &tr);
+    const size_t t0 = token_begin[i], len = lengths[i], c0 = chunk_begin[i], nc = chunk_begin[i + 1] - chunk_begin[i];
+    EXPECT_LE(twin::max_rel_diff(floats_of(a.ws.tok_a, t0 * H, len * H), tr.tok_a), 1e-5) << "tok_a";
+    EXPECT_LE(twin::max_rel_diff(floats_of(a.ws.tok_gamma, t0 * H, len * H), tr.tok_gamma), 1e-5) << "tok_gamma";
+    EXPECT_LE(twin::max_rel_diff(floats_of(a.ws.tok_bterm, t0 * H, len * H), tr.tok_bterm), 1e-5) << "tok_bterm";
+    EXPECT_LE(twin::max_rel_diff(floats_of(a.ws.tok_dt, t0 * H, len * H), tr.tok_dt), 1e-5) << "tok_dt";
+    EXPECT_LE(twin::max_rel_diff(floats_of(a.ws.b_norm, t0 * RN, len * RN), tr.b_norm), 1e-5) << "b_norm";
+    EXPECT_LE(twin::max_rel_diff(floats_of(a.ws.c_norm, t0 * RN, len * RN), tr.c_norm), 1e-5) << "c_norm";
+    if (d.S > 0) {
+      const float* rot = reinterpret_cast<const float*>(host_of(a.ws.rot)) + 2 * t0 * H * d.S;
+      double worst = 0;
+      for (size_t k = 0; k < len * H * d.S; ++k) {
+        const double dc = std::abs(rot[2 * k] - std::cos(tr.theta[k])), ds = std::abs(rot[2 * k + 1] - std::sin(tr.theta[k]));
+        worst = std::isnan(dc + ds) ? INFINITY : std::max({worst, dc, ds});
+      }
+      EXPECT_LE(worst, 2e-3) << "cos/sin of the angles";
+    }
+    EXPECT_LE(twin::max_rel_diff(floats_of(a.ws.chunk_log_decay, c0 * H, nc * H), tr.chunk_log_decay), 1e-5)
+        << "chunk_log_decay";
+    std::vector<double> state_in(nc * H * PN);
+    if (fp32) {
+      state_in = floats_of(static_cast<const float*>(a.ws.chunk_state_in), c0 * H * PN, nc * H * PN);
+    } else {
+      const uint16_t* b = reinterpret_cast<const uint16_t*>(host_of(a.ws.chunk_state_in)) + c0 * H * PN;
+      for (size_t k = 0; k < state_in.size(); ++k) state_in[k] = bf16_to_f32(b[k]);
+    }
+    EXPECT_LE(twin::max_rel_diff(state_in, tr.chunk_state_in), tol_ssm) << "state entering each chunk";
+  }
 
   std::vector<bool> slot_used(n_slots, false);
   for (int i = 0; i < n_runs; ++i) {

@@ -165,10 +165,26 @@ void step_run(const ScanDims& d, const ScanParams& p, const InProjSplit& s, cons
 }
 
 void chunked_run(const ScanDims& d, const ScanParams& p, const InProjSplit& s, const float* w, int T,
-                 int chunk_tokens, HeadStates& st, std::vector<double>& o) {
+                 int chunk_tokens, HeadStates& st, std::vector<double>& o, ChunkTrace* trace) {
   const int H = d.H, P = d.P, N = d.N, R = d.R, S = d.S;
   o.assign(static_cast<size_t>(T) * H * P, 0.0);
   auto row_of = [&](int t) { return w + static_cast<size_t>(t) * s.stride; };
+  const int chunks = (T + chunk_tokens - 1) / chunk_tokens;
+  if (trace != nullptr) {
+    const size_t TH = static_cast<size_t>(T) * H;
+    trace->tok_a.assign(TH, 0); trace->tok_gamma.assign(TH, 0); trace->tok_bterm.assign(TH, 0); trace->tok_dt.assign(TH, 0);
+    trace->theta.assign(TH * S, 0);
+    trace->b_norm.assign(static_cast<size_t>(T) * R * N, 0);
+    trace->c_norm.assign(static_cast<size_t>(T) * R * N, 0);
+    for (int t = 0; t < T; ++t)
+      for (int r = 0; r < R; ++r) {
+        const std::vector<double> b = normed(d, p, s, row_of(t), true, r), c = normed(d, p, s, row_of(t), false, r);
+        std::copy(b.begin(), b.end(), trace->b_norm.begin() + (static_cast<size_t>(t) * R + r) * N);
+        std::copy(c.begin(), c.end(), trace->c_norm.begin() + (static_cast<size_t>(t) * R + r) * N);
+      }
+    trace->chunk_log_decay.assign(static_cast<size_t>(chunks) * H, 0);
+    trace->chunk_state_in.assign(static_cast<size_t>(chunks) * H * P * N, 0);
+  }
   for (int h = 0; h < H; ++h) {
     // Token terms and the angle scan (kernels 1 and 2).
     std::vector<TokenTerms> tt(T);
@@ -179,6 +195,12 @@ void chunked_run(const ScanDims& d, const ScanParams& p, const InProjSplit& s, c
       for (int i = 0; i < S; ++i) {
         carry[i] += std::tanh(static_cast<double>(row_of(t)[s.ang + i])) * tt[t].dt * M_PI;
         theta[static_cast<size_t>(t) * S + i] = carry[i];
+        if (trace != nullptr) trace->theta[(static_cast<size_t>(t) * H + h) * S + i] = carry[i];
+      }
+      if (trace != nullptr) {
+        const size_t i = static_cast<size_t>(t) * H + h;
+        trace->tok_a[i] = tt[t].a; trace->tok_gamma[i] = tt[t].gamma;
+        trace->tok_bterm[i] = tt[t].bterm; trace->tok_dt[i] = tt[t].dt;
       }
     }
     // Rotated k and q of every (token, rank) row, and xv.
@@ -210,25 +232,34 @@ void chunked_run(const ScanDims& d, const ScanParams& p, const InProjSplit& s, c
         gam[i] = tt[c0 + i].gamma;
         u[i] = gam[i] + (c0 + i + 1 < T ? tt[c0 + i + 1].bterm : 0.0);
       }
+      if (trace != nullptr) {
+        const size_t ch = static_cast<size_t>(c0 / chunk_tokens) * H + h;
+        trace->chunk_log_decay[ch] = L[len - 1];
+        std::copy(Sst.begin(), Sst.end(), trace->chunk_state_in.begin() + ch * P * N);
+      }
       // Chunk output (kernel 5): inherited, masked intra-chunk and D terms.
       for (int i = 0; i < len; ++i) {
         const int t = c0 + i;
         std::vector<std::vector<double>> y(R, std::vector<double>(P));
         for (int r = 0; r < R; ++r) {
           const std::vector<double>& qv = q[t * R + r];
+          // (Q K^T) .* M for this row, over the chunk's rows up to its own token.
+          std::vector<double> coef(static_cast<size_t>(i + 1) * R);
+          for (int j = 0; j <= i; ++j) {
+            const double mask = j == i ? gam[i] : std::exp(L[i] - L[j]) * u[j];
+            for (int r2 = 0; r2 < R; ++r2) {
+              const std::vector<double>& kv = k[(c0 + j) * R + r2];
+              double qk = 0;
+              for (int n = 0; n < N; ++n) qk += qv[n] * kv[n];
+              coef[j * R + r2] = qk * mask;
+            }
+          }
           for (int pp = 0; pp < P; ++pp) {
             double inh = 0;
             for (int n = 0; n < N; ++n) inh += qv[n] * Sst[pp * N + n];
             double v = std::exp(L[i]) * inh;
-            for (int j = 0; j <= i; ++j) {
-              const double mask = j == i ? gam[i] : std::exp(L[i] - L[j]) * u[j];
-              for (int r2 = 0; r2 < R; ++r2) {
-                const std::vector<double>& kv = k[(c0 + j) * R + r2];
-                double qk = 0;
-                for (int n = 0; n < N; ++n) qk += qv[n] * kv[n];
-                v += qk * mask * xv(c0 + j, r2, pp);
-              }
-            }
+            for (int j = 0; j <= i; ++j)
+              for (int r2 = 0; r2 < R; ++r2) v += coef[j * R + r2] * xv(c0 + j, r2, pp);
             y[r][pp] = v + p.D[h] * xv(t, r, pp);
           }
         }

@@ -39,9 +39,19 @@ HeadStates random_state(const ScanDims& d, uint32_t seed);
 void step_run(const ScanDims& d, const ScanParams& p, const InProjSplit& s, const float* w, int T, HeadStates& st,
               std::vector<double>& o);
 
+// What the chunked algorithm computes on the way, in the kernels' workspace layout
+// (PrefillScanWorkspace), for locating a kernel that disagrees.
+struct ChunkTrace {
+  std::vector<double> tok_a, tok_gamma, tok_bterm, tok_dt;  // [T][H]
+  std::vector<double> theta;                                // [T][H][S]
+  std::vector<double> b_norm, c_norm;                       // [T][R][N]
+  std::vector<double> chunk_log_decay;                      // [chunks][H]
+  std::vector<double> chunk_state_in;                       // [chunks][H][P][N] S~ entering each chunk
+};
+
 // The chunked algorithm with `chunk_tokens` tokens a chunk; same outputs as step_run.
 void chunked_run(const ScanDims& d, const ScanParams& p, const InProjSplit& s, const float* w, int T,
-                 int chunk_tokens, HeadStates& st, std::vector<double>& o);
+                 int chunk_tokens, HeadStates& st, std::vector<double>& o, ChunkTrace* trace = nullptr);
 
 // max |a - b| over max |b| (NaN in a counts as infinite).
 double max_rel_diff(const std::vector<double>& a, const std::vector<double>& b);
