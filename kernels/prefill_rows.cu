@@ -1,6 +1,7 @@
 #include "kernels/prefill_rows.cuh"
 
 #include "kernels/common.cuh"
+#include "kernels/gemm_lt.cuh"
 
 namespace m3::kernels {
 namespace {
@@ -105,6 +106,55 @@ void gated_silu_rows(const float* in, int in_stride, int F, void* out, WeightTyp
     gated_silu_rows_kernel<<<rows, kThreads, 0, stream>>>(in, in_stride, F, static_cast<float*>(out), out_stride);
   }
   M3_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace m3::kernels
+
+namespace m3::kernels {
+namespace {
+
+int round8(int v) { return (v + 7) / 8 * 8; }
+size_t round256(size_t v) { return (v + 255) & ~size_t{255}; }
+
+// Lays the buffers out from `base` (nullptr: only counts); returns the bytes used.
+size_t lay_out(const PrefillRowSizes& s, char* base, PrefillRowBuffers* out) {
+  PrefillRowBuffers b;
+  b.rows = lt_gemm_padded_rows(s.max_tokens);
+  const size_t act = s.act == WeightType::BF16 ? 2 : 4;
+  b.res_stride = round8(s.d_model);
+  b.u_stride = round8(s.d_model);
+  b.w_stride = round8(s.in_proj_rows);
+  b.o_stride = round8(s.d_inner);
+  b.fc1_stride = s.mlp_width > 0 ? round8(2 * s.mlp_width) : 0;
+  b.mlp_act_stride = s.mlp_width > 0 ? round8(s.mlp_width) : 0;
+  size_t at = 0;
+  auto take = [&](size_t bytes) {
+    char* p = base != nullptr ? base + at : nullptr;
+    at += round256(bytes);
+    return p;
+  };
+  const size_t rows = b.rows;
+  b.res = reinterpret_cast<float*>(take(4 * rows * b.res_stride));
+  b.u = take(act * rows * b.u_stride);
+  b.w = reinterpret_cast<float*>(take(4 * rows * b.w_stride));
+  b.o = take(act * rows * b.o_stride);
+  if (s.mlp_width > 0) {
+    b.fc1_out = reinterpret_cast<float*>(take(4 * rows * b.fc1_stride));
+    b.mlp_act = take(act * rows * b.mlp_act_stride);
+  }
+  b.last = reinterpret_cast<float*>(take(4 * rows * b.res_stride));
+  if (out != nullptr) *out = b;
+  return at;
+}
+
+}  // namespace
+
+size_t prefill_row_buffer_bytes(const PrefillRowSizes& s) { return lay_out(s, nullptr, nullptr); }
+
+PrefillRowBuffers prefill_row_buffers(const PrefillRowSizes& s, void* base) {
+  PrefillRowBuffers b;
+  lay_out(s, static_cast<char*>(base), &b);
+  return b;
 }
 
 }  // namespace m3::kernels

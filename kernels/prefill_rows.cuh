@@ -7,6 +7,7 @@
 
 #include <cuda_runtime.h>
 
+#include <cstddef>
 #include <cstdint>
 
 #include "kernels/embedding.cuh"  // WeightType, also the element type of row outputs
@@ -29,5 +30,30 @@ void gated_silu_rows(const float* in, int in_stride, int F, void* out, WeightTyp
 // packed for norm_f and lm_head (the decode gemv at batch `runs`).
 void last_rows_of_runs(const float* x, int x_stride, const int32_t* token_begin, int runs, int cols, float* out,
                        int out_stride, cudaStream_t stream);
+
+// The token-row buffers of one prefill layer, sized once for a token budget: rows are
+// lt_gemm_padded_rows(max_tokens) (the GEMMs compute whole row buckets) and every row
+// stride is its width rounded up to 8 elements (16-byte rows for the GEMMs). `act` is the
+// GEMMs' input type (bf16 for bf16 weights): the normed residual (u, d_model wide), the
+// mixer output o (d_inner) and the MLP activation (mlp_width); the rest is fp32.
+struct PrefillRowSizes {
+  int d_model = 0, in_proj_rows = 0, d_inner = 0, mlp_width = 0;  // mlp_width 0: no MLP
+  WeightType act = WeightType::BF16;
+  int max_tokens = 0;
+};
+struct PrefillRowBuffers {
+  int rows = 0;                      // rows each buffer holds
+  float* res = nullptr;              // [rows][res_stride] residual stream
+  void* u = nullptr;                 // [rows][u_stride] rmsnorm(res) * weight, GEMM input
+  float* w = nullptr;                // [rows][w_stride] in_proj output
+  void* o = nullptr;                 // [rows][o_stride] mixer output, out_proj input
+  float* fc1_out = nullptr;          // [rows][fc1_stride] (MLP only)
+  void* mlp_act = nullptr;           // [rows][mlp_act_stride] a * silu(g) (MLP only)
+  float* last = nullptr;             // [rows][res_stride] runs' last rows for lm_head
+  int res_stride = 0, u_stride = 0, w_stride = 0, o_stride = 0, fc1_stride = 0, mlp_act_stride = 0;
+};
+size_t prefill_row_buffer_bytes(const PrefillRowSizes& sizes);
+// Carves `base` (prefill_row_buffer_bytes of it, 256-byte aligned) into the buffers.
+PrefillRowBuffers prefill_row_buffers(const PrefillRowSizes& sizes, void* base);
 
 }  // namespace m3::kernels

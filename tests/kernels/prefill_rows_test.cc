@@ -107,6 +107,48 @@ TEST(PrefillRows, LastRowsOfRunsPacksEachRunsLastToken) {
       ASSERT_EQ(got[i * out_stride + c], x[(token_begin[i + 1] - 1) * stride + c]) << "run " << i << " col " << c;
 }
 
+// No device needed: the layout only does arithmetic on the base address.
+TEST(PrefillRowBuffers, DisjointAlignedAndSizedForThePaddedRows) {
+  for (int mlp : {0, 1152}) {
+    const kernels::PrefillRowSizes sizes{896, 4724, 1792, mlp, WeightType::BF16, 2000};
+    const size_t bytes = kernels::prefill_row_buffer_bytes(sizes);
+    void* fake = reinterpret_cast<void*>(uintptr_t{1} << 20);  // an aligned address, never dereferenced
+    const auto b = kernels::prefill_row_buffers(sizes, fake);
+    EXPECT_EQ(b.rows, kernels::lt_gemm_padded_rows(2000));
+    EXPECT_GE(b.rows, 2000);
+    struct Range {
+      const void* p;
+      size_t bytes;
+      const char* name;
+    };
+    std::vector<Range> ranges = {{b.res, 4ul * b.rows * b.res_stride, "res"}, {b.u, 2ul * b.rows * b.u_stride, "u"},
+                                 {b.w, 4ul * b.rows * b.w_stride, "w"},       {b.o, 2ul * b.rows * b.o_stride, "o"},
+                                 {b.last, 4ul * b.rows * b.res_stride, "last"}};
+    if (mlp > 0) {
+      ranges.push_back({b.fc1_out, 4ul * b.rows * b.fc1_stride, "fc1_out"});
+      ranges.push_back({b.mlp_act, 2ul * b.rows * b.mlp_act_stride, "mlp_act"});
+    } else {
+      EXPECT_EQ(b.fc1_out, nullptr);
+      EXPECT_EQ(b.mlp_act, nullptr);
+    }
+    const auto* base = static_cast<const unsigned char*>(fake);
+    for (size_t i = 0; i < ranges.size(); ++i) {
+      const size_t off = static_cast<const unsigned char*>(ranges[i].p) - base;
+      EXPECT_EQ(off % 256, 0u) << ranges[i].name;
+      EXPECT_LE(off + ranges[i].bytes, bytes) << ranges[i].name;
+      for (size_t j = 0; j < i; ++j) {
+        const size_t oj = static_cast<const unsigned char*>(ranges[j].p) - base;
+        EXPECT_TRUE(off >= oj + ranges[j].bytes || oj >= off + ranges[i].bytes)
+            << ranges[i].name << " overlaps " << ranges[j].name;
+      }
+    }
+    EXPECT_EQ(b.res_stride % 8, 0);
+    EXPECT_EQ(b.u_stride % 8, 0);
+    EXPECT_EQ(b.o_stride % 8, 0);
+    EXPECT_GE(b.w_stride, 4724);
+  }
+}
+
 // y (+)= x W^T at several row counts (inside one bucket, at a bucket's edge, past 128 and
 // 1024), both weight types, storing and accumulating.
 TEST(PrefillGemm, MatchesTheTwinAtEveryRowBucket) {
