@@ -36,14 +36,24 @@
 // (tf32 operands would lose 2^-11 per term, too close to the fp32 engine's 1e-3 budget once
 // summed over hundreds of tokens), with smaller chunks to fit shared memory.
 //
-// How the engine calls it, per prefill call (runs concatenated in one token-row matrix):
-//   once at load: prefill_scan_workspace_bytes(dims, max_tokens, max_runs) bytes, carved by
-//     prefill_scan_workspace(); prepare_prefill_scan(dims) (shared-memory checks);
-//   per call: fill_prefill_runs() on the host into the run table, copy it to the device;
-//   per layer: rmsnorm_rows (kernels/prefill_rows.cuh), in_proj (LtGemm), launch_prefill_scan,
-//     out_proj (LtGemm accumulating into the residual), MLP (rmsnorm_rows, LtGemm fc1,
-//     gated_silu_rows, LtGemm fc2 accumulating); then norm_f + lm_head for each run's last
-//     token (the decode gemv), sampling.
+// How the engine calls it (all on the engine's stream; runs concatenated in one token-row
+// matrix, each run on its own slot, no slot twice in a call):
+//   once at load: prepare_prefill_scan(dims) (shape and shared-memory checks, limits
+//     raised); one allocation of prefill_scan_workspace_bytes(dims, max_tokens, max_runs)
+//     carved by prefill_scan_workspace(), one of prefill_row_buffer_bytes() carved by
+//     prefill_row_buffers() (kernels/prefill_rows.cuh); an LtContext and one LtGemm per
+//     projection shape (in_proj, out_proj accumulating, fc1, fc2 accumulating;
+//     kernels/gemm_lt.cuh), each for max_tokens rows;
+//   per call (host): fill_prefill_runs() from the runs' lengths into a pinned run table
+//     with each run's slot and parity (steps the slot took & 1), copied to the device;
+//   then: gather_rows (the tokens' embedding rows into res); per layer i:
+//     rmsnorm_rows(res, norm_i) -> u; in_proj.run(W_in, u) -> w;
+//     launch_prefill_scan(w, state at layer i) -> o;  out_proj.run(W_out, o) -> res (+=);
+//     with an MLP: rmsnorm_rows(res, norm2_i) -> u; fc1.run -> fc1_out;
+//       gated_silu_rows -> mlp_act; fc2.run -> res (+=);
+//   then last_rows_of_runs(res) -> last, and the decode gemv with norm_f for lm_head at
+//   batch n_runs, and sampling; the slots' step counters advance by their runs' lengths
+//   (the parity the next decode step reads is (p + T) & 1).
 #pragma once
 
 #include <cuda_runtime.h>
