@@ -39,7 +39,7 @@ RUN apt-get update && apt-get install -y --no-install-recommends \
         libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler \
         libsentencepiece-dev libspdlog-dev prometheus-cpp-dev libyaml-cpp-dev nlohmann-json3-dev \
         cuda-nvcc-${CUDA_VERSION_DASHED} cuda-cudart-dev-${CUDA_VERSION_DASHED} \
-        cuda-cccl-${CUDA_VERSION_DASHED} \
+        cuda-cccl-${CUDA_VERSION_DASHED} libcublas-dev-${CUDA_VERSION_DASHED} \
     && rm -rf /var/lib/apt/lists/*
 ENV PATH=/usr/local/cuda/bin:${PATH}
 
@@ -75,6 +75,9 @@ RUN apt-get update && apt-get install -y --no-install-recommends \
 # m3serve finds the SentencePiece shim in ../lib beside its executable.
 COPY --from=build /out/bin/ /opt/m3serve/bin/
 COPY --from=build /out/lib/ /opt/m3serve/lib/
+# cuBLASLt (the prefill projections), where the loader looks by default.
+COPY --from=build /usr/local/cuda/lib64/libcublasLt.so.13 /usr/local/lib/libcublasLt.so.13
+RUN ldconfig
 COPY configs/server.yaml /etc/m3serve/server.yaml
 COPY configs/models/ /etc/m3serve/models/
 COPY configs/prometheus.yml /etc/m3serve/prometheus.yml
