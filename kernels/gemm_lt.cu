@@ -74,9 +74,9 @@ struct LtGemm::Plan {
 LtGemm::LtGemm(const LtContext& context, const LtGemmShape& s) : plan_(std::make_unique<Plan>()) {
   const std::string what = describe(s);
   if (s.out_features <= 0 || s.in_features <= 0 || s.max_rows <= 0 || s.x_stride < s.in_features ||
-      s.y_stride < s.out_features || s.x_stride % 8 != 0 || s.in_features % 8 != 0) {
-    throw std::invalid_argument(what + ": sizes must be positive, strides cover the rows, and in_features and "
-                                       "x_stride multiples of 8");
+      s.y_stride < s.out_features || s.x_stride % 8 != 0 || s.in_features % 8 != 0 || s.y_stride % 4 != 0) {
+    throw std::invalid_argument(what + ": sizes must be positive, strides cover the rows, in_features and "
+                                       "x_stride multiples of 8, y_stride of 4 (16-byte rows)");
   }
   Plan& p = *plan_;
   p.shape = s;

@@ -44,7 +44,7 @@ struct LtGemmShape {
   int max_rows = 0;  // the largest `rows` run() takes
   WeightType type = WeightType::BF16;
   int x_stride = 0;  // elements; a multiple of 8 (16-byte rows)
-  int y_stride = 0;
+  int y_stride = 0;  // a multiple of 4 (16-byte rows)
   bool accumulate = false;
 };
 

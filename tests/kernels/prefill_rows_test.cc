@@ -154,7 +154,7 @@ TEST(PrefillRowBuffers, DisjointAlignedAndSizedForThePaddedRows) {
 TEST(PrefillGemm, MatchesTheTwinAtEveryRowBucket) {
   M3_REQUIRE_CUDA_DEVICE();
   const int out_f = 200, in_f = 136, max_rows = 1100;
-  const int x_stride = 144, y_stride = 203;
+  const int x_stride = 144, y_stride = 204;
   const int padded = kernels::lt_gemm_padded_rows(max_rows);
   ASSERT_GE(padded, max_rows);
   kernels::LtContext ctx;
@@ -192,6 +192,10 @@ TEST(PrefillGemm, MatchesTheTwinAtEveryRowBucket) {
       }
       EXPECT_NE(test::error_of<std::invalid_argument>([&] { gemm.run(w32.get(), x32.get(), nullptr, 0, nullptr); })
                     .find("called with 0 rows"),
+                std::string::npos);
+      EXPECT_NE(test::error_of<std::invalid_argument>([&] {
+                  kernels::LtGemm(ctx, kernels::LtGemmShape{out_f, in_f, max_rows, t, x_stride, 203, accumulate});
+                }).find("y_stride of 4"),
                 std::string::npos);
     }
   }
