@@ -118,25 +118,87 @@ __device__ __forceinline__ void rotated_pair(const PrefillScanArgs& a, const flo
   }
 }
 
-// Row j = t * R + r of the chunk's k (is_k) or q, written to dst[i0 * col_stride + j * row_stride]
-// for every entry (zeros for rows past m).
+// Rows j < rows (j = t * R + r) of the chunk's k (is_k) or q after bias and rotation,
+// entry n of row j written to dst[j * row_stride + n * col_stride], zeros for rows past m.
+// A thread takes four rotation pairs of a row per pass, all its loads issued before any
+// use (the fills are latency-bound otherwise: a block runs 8 warps).
 template <typename Op>
 __device__ __forceinline__ void fill_rotated(const PrefillScanArgs& a, const ChunkPlace& cp, int h, bool is_k,
                                              int rows, Op* dst, int row_stride, int col_stride, int threads) {
   const int N = a.dims.d_state, R = a.dims.rank, H = a.dims.heads, S = a.dims.n_angles, half = N / 2;
+  const int quads = half / 4;  // N is a multiple of 16
   const int m = cp.len * R;
-  for (int idx = threadIdx.x; idx < rows * half; idx += threads) {
-    const int j = idx / half, i = idx % half;
-    float v0 = 0.f, v1 = 0.f;
-    int i0 = a.mimo_rotation ? i : 2 * i, i1 = a.mimo_rotation ? i + half : 2 * i + 1;
+  const bool mimo = a.mimo_rotation;
+  for (int idx = threadIdx.x; idx < rows * quads; idx += threads) {
+    const int j = idx / quads, i = (idx % quads) * 4;  // pairs i .. i+3
+    // Pair k is (n0[k], n1[k]): halves (i+k, i+k+N/2), or adjacent (2(i+k), 2(i+k)+1).
+    // Its entries sit in two 4-float blocks: lo = n0 of the four pairs (halves) or the
+    // first two pairs (adjacent), hi the rest.
+    const int lo = mimo ? i : 2 * i, hi = mimo ? i + half : 2 * i + 4;
+    float x0[4] = {0.f, 0.f, 0.f, 0.f}, x1[4] = {0.f, 0.f, 0.f, 0.f};
     if (j < m) {
       const int t = cp.first + j / R, r = j % R;
-      const float* normed = (is_k ? a.ws.b_norm : a.ws.c_norm) + ((int64_t)t * R + r) * N;
+      const float* nrm = (is_k ? a.ws.b_norm : a.ws.c_norm) + ((int64_t)t * R + r) * N;
       const float* bias = (is_k ? a.B_bias : a.C_bias) + ((int64_t)h * R + r) * N;
-      rotated_pair(a, normed, bias, a.ws.rot + ((int64_t)t * H + h) * S, i, v0, v1, i0, i1);
+      const float2* rot = a.ws.rot + ((int64_t)t * H + h) * S;
+      const float4 nl = *reinterpret_cast<const float4*>(nrm + lo), nh = *reinterpret_cast<const float4*>(nrm + hi);
+      float bl[4], bh[4];
+      float2 cs[4];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        bl[k] = bias[lo + k];
+        bh[k] = bias[hi + k];
+        cs[k] = i + k < S ? rot[i + k] : make_float2(1.f, 0.f);
+      }
+      const float e[8] = {nl.x + bl[0], nl.y + bl[1], nl.z + bl[2], nl.w + bl[3],
+                          nh.x + bh[0], nh.y + bh[1], nh.z + bh[2], nh.w + bh[3]};
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const float a0 = mimo ? e[k] : e[2 * k], a1 = mimo ? e[4 + k] : e[2 * k + 1];
+        if (i + k < S) {
+          x0[k] = a0 * cs[k].x - a1 * cs[k].y;
+          x1[k] = a0 * cs[k].y + a1 * cs[k].x;
+        } else {
+          x0[k] = a0;
+          x1[k] = a1;
+        }
+      }
     }
-    dst[j * row_stride + i0 * col_stride] = to_operand<Op>(v0);
-    dst[j * row_stride + i1 * col_stride] = to_operand<Op>(v1);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const int n0 = mimo ? i + k : 2 * (i + k), n1 = mimo ? i + k + half : 2 * (i + k) + 1;
+      dst[j * row_stride + n0 * col_stride] = to_operand<Op>(x0[k]);
+      dst[j * row_stride + n1 * col_stride] = to_operand<Op>(x1[k]);
+    }
+  }
+}
+
+// xv of rows j < rows (zeros past m), times scale[t] when given, transposed:
+// dst[p * ld + j] = scale[t] * x_t[p] * mimo_x[h, r, p]. Four p per thread per pass.
+template <typename Op>
+__device__ __forceinline__ void fill_xv_transposed(const PrefillScanArgs& a, const ChunkPlace& cp, int h,
+                                                   const float* scale, int rows, Op* dst, int ld, int threads) {
+  const int P = a.dims.headdim, R = a.dims.rank, quads = P / 4;
+  const int m = cp.len * R;
+  for (int idx = threadIdx.x; idx < rows * quads; idx += threads) {
+    const int j = idx / quads, p = (idx % quads) * 4;
+    float v[4] = {0.f, 0.f, 0.f, 0.f};
+    if (j < m) {
+      const int t = j / R, r = j % R;
+      const float* x = a.w + (int64_t)(cp.first + t) * a.w_stride + a.off_x + h * P + p;
+      const float* mx = a.mimo_x + ((int64_t)h * R + r) * P + p;
+      float xs[4], ms[4];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        xs[k] = x[k];
+        ms[k] = mx[k];
+      }
+      const float sc = scale != nullptr ? scale[t] : 1.f;
+#pragma unroll
+      for (int k = 0; k < 4; ++k) v[k] = scale != nullptr ? sc * (xs[k] * ms[k]) : xs[k] * ms[k];
+    }
+#pragma unroll
+    for (int k = 0; k < 4; ++k) dst[(p + k) * ld + j] = to_operand<Op>(v[k]);
   }
 }
 
@@ -247,16 +309,7 @@ __global__ void __launch_bounds__(kStateThreads) prefill_chunk_state_kernel(cons
   for (int i = threadIdx.x; i < cp.len; i += kStateThreads) wts[i] = expf(L[cp.len - 1] - L[i]) * u[i];
   fill_rotated<Op>(a, cp, h, /*is_k=*/true, m16, k_t, 1, Sm::kLdRows, kStateThreads);
   __syncthreads();
-  for (int idx = threadIdx.x; idx < P * m16; idx += kStateThreads) {
-    const int p = idx / m16, j = idx % m16;
-    float v = 0.f;
-    if (j < m) {
-      const int t = j / R, r = j % R;
-      v = wts[t] * (a.w[(int64_t)(cp.first + t) * a.w_stride + a.off_x + h * P + p] *
-                    a.mimo_x[((int64_t)h * R + r) * P + p]);
-    }
-    xvw_t[p * Sm::kLdRows + j] = to_operand<Op>(v);
-  }
+  fill_xv_transposed<Op>(a, cp, h, wts, m16, xvw_t, Sm::kLdRows, kStateThreads);
   __syncthreads();
 
   float* delta = a.ws.chunk_delta + ((int64_t)c * H + h) * P * N;
@@ -358,15 +411,7 @@ __global__ void __launch_bounds__(ChunkSmem<Op>::kThreadsOut, 1) prefill_chunk_o
       *reinterpret_cast<uint4*>(sk + (e / N) * Sm::kLdN + e % N) = *reinterpret_cast<const uint4*>(src + e);
     }
   }
-  for (int idx = threadIdx.x; idx < P * m16; idx += kThreads) {
-    const int p = idx / m16, j = idx % m16;
-    float v = 0.f;
-    if (j < m) {
-      const int t = j / R, r = j % R;
-      v = a.w[(int64_t)(cp.first + t) * a.w_stride + a.off_x + h * P + p] * a.mimo_x[((int64_t)h * R + r) * P + p];
-    }
-    xv_t[p * Sm::kLdRows + j] = to_operand<Op>(v);
-  }
+  fill_xv_transposed<Op>(a, cp, h, nullptr, m16, xv_t, Sm::kLdRows, kThreads);
   __syncthreads();
 
   // This warp's rows: 16 * warp + g and + 8 (tokens row / R; 16 is a multiple of R, so a
