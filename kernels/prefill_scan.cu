@@ -263,9 +263,12 @@ __global__ void __launch_bounds__(kAngleThreads) prefill_angles_kernel(const Sca
   __syncthreads();  // every thread has read the old angle and the totals are in
   float carry = theta0;
   for (int w = 0; w < warp; ++w) carry += totals[w];
+  float next = b0 + lane < b1 ? angle_increment(a, b0 + lane, h, s) : 0.f;
   for (int base = b0; base < b1; base += 32) {
     const int t = base + lane;
-    float v = t < b1 ? angle_increment(a, t, h, s) : 0.f;
+    float v = next;
+    // The next pass's loads go out before this pass's stores.
+    next = t + 32 < b1 ? angle_increment(a, t + 32, h, s) : 0.f;
 #pragma unroll
     for (int o = 1; o < 32; o <<= 1) {
       const float n = __shfl_up_sync(0xffffffffu, v, o);
@@ -368,13 +371,34 @@ __global__ void __launch_bounds__(kStateThreads) prefill_state_pass_kernel(const
   }
   const int c0 = a.runs.chunk_begin[run], c1 = a.runs.chunk_begin[run + 1];
   Op* state_in = static_cast<Op*>(a.ws.chunk_state_in);
-#pragma unroll 4
-  for (int c = c0; c < c1; ++c) {
-    const int64_t at = ((int64_t)c * H + h) * P * N + (int64_t)p * N + n;
-    const float4 d = *reinterpret_cast<const float4*>(a.ws.chunk_delta + at);
-    const float decay = expf(a.ws.chunk_log_decay[(int64_t)c * H + h]);
-    store4(state_in + at, s);
-    s.x = fmaf(decay, s.x, d.x); s.y = fmaf(decay, s.y, d.y); s.z = fmaf(decay, s.z, d.z); s.w = fmaf(decay, s.w, d.w);
+  const int64_t head_at = (int64_t)h * P * N + (int64_t)p * N + n, chunk_floats = (int64_t)H * P * N;
+  // Each chunk's inputs are loaded kAhead chunks before they are used (the stores between
+  // would otherwise hold every load back to one round trip a chunk).
+  constexpr int kAhead = 8;
+  float4 d_next[kAhead];
+  float l_next[kAhead];
+#pragma unroll
+  for (int k = 0; k < kAhead; ++k) {
+    if (c0 + k < c1) {
+      d_next[k] = *reinterpret_cast<const float4*>(a.ws.chunk_delta + (c0 + k) * chunk_floats + head_at);
+      l_next[k] = a.ws.chunk_log_decay[(int64_t)(c0 + k) * H + h];
+    }
+  }
+  for (int c = c0; c < c1; c += kAhead) {
+#pragma unroll
+    for (int k = 0; k < kAhead; ++k) {
+      const int cc = c + k;
+      if (cc < c1) {
+        const float4 d = d_next[k];
+        const float decay = expf(l_next[k]);
+        if (cc + kAhead < c1) {
+          d_next[k] = *reinterpret_cast<const float4*>(a.ws.chunk_delta + (cc + kAhead) * chunk_floats + head_at);
+          l_next[k] = a.ws.chunk_log_decay[(int64_t)(cc + kAhead) * H + h];
+        }
+        store4(state_in + cc * chunk_floats + head_at, s);
+        s.x = fmaf(decay, s.x, d.x); s.y = fmaf(decay, s.y, d.y); s.z = fmaf(decay, s.z, d.z); s.w = fmaf(decay, s.w, d.w);
+      }
+    }
   }
   *reinterpret_cast<float4*>(ssm) = s;
 }
@@ -497,22 +521,42 @@ __global__ void __launch_bounds__(ChunkSmem<Op>::kThreadsOut, 1) prefill_chunk_o
     }
     __syncthreads();
   }
-  for (int idx = threadIdx.x; idx < cp.len * P; idx += kThreads) {
-    const int t = idx / P, p = idx % P;
+  // Four p of one token a thread per pass, every global load issued first.
+  for (int idx = threadIdx.x; idx < cp.len * (P / 4); idx += kThreads) {
+    const int t = idx / (P / 4), p = (idx % (P / 4)) * 4;
     const int64_t row = cp.first + t;
-    const float z = a.w[row * a.w_stride + a.off_z + h * P + p];
-    float out = 0.f;
+    float z[4], onw[4], out[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      z[k] = a.w[row * a.w_stride + a.off_z + h * P + p + k];
+      onw[k] = a.out_norm != nullptr ? a.out_norm[h * P + p + k] : 1.f;
+      out[k] = 0.f;
+    }
     for (int r = 0; r < R; ++r) {
       const int i = t * R + r;
-      const int64_t hr = ((int64_t)h * R + r) * P + p;
-      float yv = ys[i * Sm::kLdY + p];
-      if (a.out_norm != nullptr) yv *= rs[i] * a.out_norm[h * P + p];
-      out += yv * silu(z * a.mimo_z[hr]) * a.mimo_o[hr];
+      const float* mz = a.mimo_z + ((int64_t)h * R + r) * P + p;
+      const float* mo = a.mimo_o + ((int64_t)h * R + r) * P + p;
+      float zs[4], os[4];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        zs[k] = mz[k];
+        os[k] = mo[k];
+      }
+      const float scale = a.out_norm != nullptr ? rs[i] : 1.f;
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        float yv = ys[i * Sm::kLdY + p + k];
+        if (a.out_norm != nullptr) yv *= scale * onw[k];
+        out[k] += yv * silu(z[k] * zs[k]) * os[k];
+      }
     }
-    if (a.o_bf16) {
-      static_cast<__nv_bfloat16*>(a.o)[row * a.o_stride + h * P + p] = __float2bfloat16_rn(out);
-    } else {
-      static_cast<float*>(a.o)[row * a.o_stride + h * P + p] = out;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      if (a.o_bf16) {
+        static_cast<__nv_bfloat16*>(a.o)[row * a.o_stride + h * P + p + k] = __float2bfloat16_rn(out[k]);
+      } else {
+        static_cast<float*>(a.o)[row * a.o_stride + h * P + p + k] = out[k];
+      }
     }
   }
   if (cp.first + cp.len == cp.run_end) {  // the run's last token becomes k_prev, x_prev
