@@ -219,6 +219,16 @@ TEST_P(PrefillScanGpu, MatchesStepTwinOnEveryRunLength) {
   run_call(GetParam(), {15, 65, 16, 63}, {2, 4, 1, 3}, 2);
 }
 
+TEST_P(PrefillScanGpu, ManyShortRunsFindTheirChunks) {
+  M3_REQUIRE_CUDA_DEVICE();
+  std::vector<int> lengths, slots;
+  for (int i = 0; i < 13; ++i) {
+    lengths.push_back(i % 3 == 0 ? 1 : i % 3 == 1 ? 2 : 33);
+    slots.push_back(13 - i);
+  }
+  run_call(GetParam(), lengths, slots, 4);
+}
+
 TEST_P(PrefillScanGpu, OneLongRun) {
   M3_REQUIRE_CUDA_DEVICE();
   run_call(GetParam(), {1000}, {1}, 3);
