@@ -187,7 +187,7 @@ __device__ __forceinline__ void allow_next_kernel() {
 }
 
 // wait_for_previous_kernel, letting the next kernel launch before the wait (trigger_point
-// 2) or right after it (1); with 0 the caller triggers later (pdl_trigger_point, launch.cuh).
+// 2) or right after it (1); with 0 the caller triggers later (PdlTrigger, plan_policy.h).
 __device__ __forceinline__ void wait_for_previous_kernel(int trigger_point) {
   if (trigger_point == 2) allow_next_kernel();
   wait_for_previous_kernel();

@@ -14,7 +14,9 @@
 #include <string_view>
 #include <vector>
 
+#include "kernels/weight_dtype.h"
 #include "model/config.h"
+#include "model/cuda_policy.h"
 
 namespace m3 {
 
@@ -31,7 +33,6 @@ struct SamplingParams {
   uint64_t seed = 0;         // with the slot's step counter, fixes every random draw
 };
 
-enum class WeightDType { F32, BF16 };
 std::string_view weight_dtype_name(WeightDType);
 bool parse_weight_dtype(std::string_view, WeightDType*);
 
@@ -47,6 +48,7 @@ struct EngineOptions {
   // batch 1: 116 against 137 us a step on some, 145 against 131 on others; batch 2: 159
   // against 164); the last bits then vary. The CPU engine is always deterministic.
   bool deterministic = false;
+  CudaPolicy cuda;  // CUDA: how the decode step is built (model/cuda_policy.h)
 };
 
 struct EngineStats {
