@@ -200,8 +200,8 @@ __global__ void __launch_bounds__(kThreads, kGather && BT == 1 && sizeof(W) == 2
     if (norm) scale[b] = inverse_rms(partial_ss, b, cols, p.norm_eps);
   }
   if constexpr (BT == 1 && NW == 1 && RPW > 1) {
-    // The warp's RPW row sums in one transposed butterfly (RPW=4: 6 shuffles, not 20;
-    // batch 1 119.1 -> 118.7 us a step, H200 run 168); lane i < RPW then holds row row0 + i.
+    // The warp's RPW row sums in one transposed butterfly (RPW=4: 6 shuffles, not 20);
+    // lane i < RPW then holds row row0 + i.
     float v[RPW];
 #pragma unroll
     for (int i = 0; i < RPW; ++i) v[i] = acc[i][0];

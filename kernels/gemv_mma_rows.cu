@@ -406,7 +406,7 @@ long resident_blocks(const void* k, int ks, size_t smem) {
 
 }  // namespace
 
-// Batch tile and cluster size from a rough cost model, fitted to H200 measurements: a
+// Batch tile and cluster size from a rough cost model, fitted to measurements: a
 // multiprocessor's time is about (blocks it gets) x (one block's bytes: weights, x slice,
 // a fixed part for latencies), a penalty for slices wider than the held registers
 // (several chunks), times the waves when the grid exceeds what runs at once.
@@ -419,8 +419,7 @@ KernelLaunch plan_gemv_mma_rows(const GemvArgs& a) {
   while (max_bt < 64 && max_bt < a.batch) max_bt *= 2;
   int bt = max_bt, ks = 4;
   double best = 1e30;
-  // Beside another chain, one batch tile (H200, PERFORMANCE_NOTES.md run 99: the batch-32
-  // bucket's halves 438 -> 423 us with 16-row tiles everywhere, batch 64 720 -> 716).
+  // Beside another chain, one batch tile: fewer blocks, the other chain fills the GPU.
   const int min_bt = a.beside_other_chains ? max_bt : 8;
   for (int cbt = max_bt; cbt >= min_bt; cbt /= 2) {
     for (int cks : {2, 4, 8}) {

@@ -50,14 +50,9 @@ __device__ __forceinline__ uint32_t to_tf32(float v) {
 }
 
 // 16 bytes of a state row, not kept in L1 and fetched from DRAM in 256-byte pieces (the
-// state is read once a step). Measured on the H200 against a plain load (PERFORMANCE_NOTES.md
-// runs 203-207, us a step): batch 16 292-293 -> 283-287 (277 with the weight loads of
-// common.cuh, runs 206-207, against 288-290 without it), batch 4 and 8 -0.5 to -1%, batch 1
-// and 2 the same; slower from batch 32: beside other chains 428 -> 435 (b32) and 720 -> 761
-// (b64), as were L2-only and evict-first loads there (runs 201-203), and batch 64 in one
-// chain 810 -> 836 (run 207). Those keep the plain load, in a kernel variant of its own
-// (with a runtime choice between the two loads the plain path itself measured 2% slower
-// at batch 64, run 205).
+// state is read once a step): faster up to batch 16 in one chain, slower from batch 32,
+// where the plain load stays; each in a kernel variant of its own, since a runtime choice
+// between the two slowed the plain path itself (docs/PERFORMANCE.md).
 __device__ __forceinline__ float4 load_state_streamed(const float* p) {
   float4 v;
   asm volatile("ld.global.L1::no_allocate.L2::256B.v4.f32 {%0, %1, %2, %3}, [%4];"
@@ -273,8 +268,7 @@ __device__ __forceinline__ void mimo_step_tc_body(const TcParams& prm) {
   // Now the stores: the first that need a load to have landed. Placed after the in_proj
   // loads are issued, so that k_prev's trip to DRAM (it is state: not in L2 at large
   // batches) and the in_proj outputs' trip to L2 overlap; before the PDL wait, these
-  // stores held every block up on DRAM first (a quarter of all stall samples at batch 64;
-  // moving them: batch 64 876 -> 839 us a step).
+  // stores held every block up on DRAM first (a quarter of all stall samples at batch 64).
 #pragma unroll
   for (int j = 0; j < kKE; ++j) {
     const int e = tid + j * kT;
@@ -404,8 +398,7 @@ __device__ __forceinline__ void mimo_step_tc_body(const TcParams& prm) {
   // Output, row e_row at ranks e_rank0 .. + RL - 1 (a row's LR lanes summed by shuffles
   // at the end): D skip, optional grouped norm (over the head's rows, in however many
   // blocks), gate, mimo_o reduction. With one thread doing all R ranks of a row this was a
-  // chain of R x CS shared-memory loads and R gates (spread: batch 1 123.0 -> 121.9 us a
-  // step, batch 8 216.8 -> 214.5; H200, PERFORMANCE_NOTES.md run 166).
+  // chain of R x CS shared-memory loads and R gates; spread over the lanes it is shorter.
   const int p = p_base + e_row;
   float y[RL];
 #pragma unroll
@@ -585,14 +578,11 @@ int fused_cluster(const MimoStepArgs& a, int p_blocks) {
 
 // Blocks per head with out_proj fused (0: it cannot be). Each block takes 16 of the head's
 // rows with 8 warps (one 16-column group of a 128-column state each); clusters of blocks
-// sum their products before the atomics. Measured (H200, s2s-14l, batch 1,
-// PERFORMANCE_NOTES.md runs 101-114): a whole head's columns (114 KB) do not fit in the
-// RTX 5090's shared memory; 32-row blocks staging 57 KB of columns in shared memory made
-// the multiprocessors drain to change their L1 / shared split beside the gemvs (the step
-// 137 -> 228 us); 16-row blocks with the columns in registers keep the unfused kernel's
-// footprint: 137 -> 118-131 us (by where the buffers landed), of which the 112 x 224
-// vector atomics cost 8-21 us (none: 110 us). Summed over clusters of 4 blocks first:
-// 119-121 us whatever the buffers; of 8 (two heads): 115.
+// sum their products before the atomics, eight times fewer of them. Why 16-row blocks with
+// the columns in registers: a whole head's columns (114 KB) do not fit in the RTX 5090's
+// shared memory, and blocks staging their columns in shared memory made the
+// multiprocessors drain to change their L1 / shared split beside the gemvs; these keep the
+// unfused kernel's footprint.
 int fused_blocks_per_head(const MimoStepArgs& a) {
   if (a.out_proj == nullptr || a.out_proj_type != WeightDType::BF16 || a.residual == nullptr) return 0;
   if (a.d_model <= 0 || a.d_model % 4 != 0 || a.d_model > 4 * 256) return 0;
@@ -616,12 +606,8 @@ KernelLaunch plan_fused(const MimoStepArgs& a, const MimoStepPolicy& policy) {
 }
 
 // Two warps per row tile (256 threads, 3 blocks per SM) unless one-warp tiles (128
-// threads, 4 blocks per SM) take fewer waves of blocks: measured on the H200 at batch 16
-// (448 blocks: one wave against two), 437 against 458 us per step; at batch 64, two chains
-// of 896 blocks (two waves against three), 714-716 against 720-721 (PERFORMANCE_NOTES.md
-// run 181); where the waves tie, the two-warp tiles win (batch 4: 171 against 187, batch
-// 8: 214 against 223). At batch 128 (1792 blocks, four waves against five) they measured
-// the same.
+// threads, 4 blocks per SM) take fewer waves of blocks (batch 16 and the two chains of
+// batch 64 on the H200): where the waves tie, the two-warp tiles win.
 template <int R>
 KernelLaunch plan_rank_tc(const MimoStepArgs& a, const MimoStepPolicy& policy) {
   if (a.out_proj != nullptr) return plan_fused<R>(a, policy);

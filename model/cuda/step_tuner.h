@@ -1,7 +1,7 @@
 // Choosing the step of the small buckets by measurement at load. At batch 1 and 2 a step
 // is a chain of short dependent kernels, and which of its variants is faster depends on
-// the GPU it runs on, not only on its model (the same binary chose differently on H200s
-// of one kind; docs/PERFORMANCE.md). So where several are possible the engine captures
+// the GPU it runs on, not only on its model (the same binary on two H200s of the same
+// model chose differently; docs/PERFORMANCE.md). So where several are possible the engine captures
 // each variant, replays them in turns, and keeps the fastest, as cuDNN's benchmark mode
 // and TensorRT's tactic timing do.
 #pragma once

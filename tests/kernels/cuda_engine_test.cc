@@ -180,7 +180,7 @@ TEST_F(CudaEngineTest, GraphReplayEqualsDirectLaunchesAndBucketsAreIndependent) 
     // Entry 1 alone in a one-slot engine gives the same numbers as inside the batch, up to
     // fp32 rounding: alone, out_proj runs inside the recurrence and adds with atomics in a
     // varying order; in the batch it is a kernel of its own (seen: 1.02e-06 after a few
-    // steps, H200 run 182). Another entry's rows leaking in would be far larger.
+    // steps). Another entry's rows leaking in would be far larger.
     const std::vector<int32_t> one = {t == 0 ? 2 : kContinueToken};
     single->step(std::vector<int32_t>{0}, one, s, ls);
     ASSERT_EQ(s[0], a[1]);
@@ -625,9 +625,9 @@ TEST_F(CudaEngineTest, RefusesAShapeItsKernelsCannotRunInTheConfigsTerms) {
 
 // A server builds its engine on one thread and steps it on its scheduler's, whose current
 // device is 0 unless set: stepping device 1's engine from there must work, graphs or not.
-// (With CUDA 13 it did before the engine made its device current too, run 227: the
-// runtime sends stream-ordered calls to their stream's device. The test guards the
-// arrangement, not that one call.)
+// (With CUDA 13 it did before the engine made its device current too: the runtime sends
+// stream-ordered calls to their stream's device. The test guards the arrangement, not
+// that one call.)
 TEST_F(CudaEngineTest, StepsFromAnotherThreadOnItsOwnDevice) {
   M3_REQUIRE_CUDA_DEVICE();
   if (cuda_device_count() < 2) GTEST_SKIP() << "needs two CUDA devices (" << cuda_device_count() << " visible)";
