@@ -107,14 +107,11 @@ __device__ __forceinline__ float bf16_bits_to_float(uint16_t bits) {
 }
 
 // 16 bytes of data a step reads once (weights), in the two load forms that beat a plain
-// __ldg somewhere (H200, s2s-14l, PERFORMANCE_NOTES.md run 204, each against plain loads
-// in the same call, us a step):
+// __ldg somewhere, each used only where it won (docs/PERFORMANCE.md):
 // - not kept in L1 (`.L1::no_allocate`): the CUDA-core gemvs of batch 1 and 2 and the
-//   fused recurrence's out_proj columns, batch 1 120.6 -> 118.8, batch 2 the same; in
-//   every gemv it lost from batch 4 (b4 170 -> 176, b32 434 -> 445);
+//   fused recurrence's out_proj columns (in every gemv from batch 4 it lost);
 // - fetched from DRAM in 256-byte pieces (`.L2::256B`): the tensor-core gemvs (batch 2 and
-//   up), batch 8 214.3 -> 211.3, 16 287.2 -> 284.9, the rest unchanged; in the batch-1 gemv
-//   it lost (121 -> 122).
+//   up; in the batch-1 gemv it lost).
 // asm volatile keeps them in program order with the PDL wait, so those issued before it
 // stay before it (scripts/check_pdl_sass.sh).
 enum class ReadOnce { NoL1, L2Pieces256 };
@@ -187,7 +184,7 @@ __device__ __forceinline__ void allow_next_kernel() {
 }
 
 // wait_for_previous_kernel, letting the next kernel launch before the wait (trigger_point
-// 2) or right after it (1); with 0 the caller triggers later (pdl_trigger_point, launch.cuh).
+// 2) or right after it (1); with 0 the caller triggers later (PdlTrigger, plan_policy.h).
 __device__ __forceinline__ void wait_for_previous_kernel(int trigger_point) {
   if (trigger_point == 2) allow_next_kernel();
   wait_for_previous_kernel();

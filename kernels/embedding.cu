@@ -52,7 +52,7 @@ KernelLaunch plan_embedding(const EmbeddingArgs& a) {
                                 std::to_string(a.dim) + ", vocab rows " +
                                 std::to_string(a.vocab_rows) + " must be positive");
   }
-  return a.type == WeightType::BF16 ? plan_typed<__nv_bfloat16>(a) : plan_typed<float>(a);
+  return a.type == WeightDType::BF16 ? plan_typed<__nv_bfloat16>(a) : plan_typed<float>(a);
 }
 
 }  // namespace m3::kernels

@@ -7,14 +7,13 @@
 
 #include "kernels/common.cuh"
 #include "kernels/launch.cuh"
+#include "kernels/weight_dtype.h"
 
 namespace m3::kernels {
 
-enum class WeightType { F32, BF16 };
-
 struct EmbeddingArgs {
-  const void* table = nullptr;  // [vocab_rows, dim], WeightType
-  WeightType type = WeightType::BF16;
+  const void* table = nullptr;  // [vocab_rows, dim], WeightDType
+  WeightDType type = WeightDType::BF16;
   int vocab_rows = 0;
   int dim = 0;
   const int32_t* slots = nullptr;       // [batch]

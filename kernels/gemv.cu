@@ -1,6 +1,5 @@
 #include "kernels/gemv.cuh"
 
-#include <cstdlib>
 #include <stdexcept>
 #include <string>
 
@@ -201,8 +200,8 @@ __global__ void __launch_bounds__(kThreads, kGather && BT == 1 && sizeof(W) == 2
     if (norm) scale[b] = inverse_rms(partial_ss, b, cols, p.norm_eps);
   }
   if constexpr (BT == 1 && NW == 1 && RPW > 1) {
-    // The warp's RPW row sums in one transposed butterfly (RPW=4: 6 shuffles, not 20;
-    // batch 1 119.1 -> 118.7 us a step, H200 run 168); lane i < RPW then holds row row0 + i.
+    // The warp's RPW row sums in one transposed butterfly (RPW=4: 6 shuffles, not 20);
+    // lane i < RPW then holds row row0 + i.
     float v[RPW];
 #pragma unroll
     for (int i = 0; i < RPW; ++i) v[i] = acc[i][0];
@@ -237,52 +236,30 @@ KernelLaunch plan_variant(const GemvArgs& a) {
   // Eight chunks per lane in flight when the row is long and the registers allow.
   constexpr int NW = E == GemvEpilogue::GatedSilu ? 2 : 1;
   constexpr bool wide_ok = RPW * NW * sizeof(W) <= 4;
+  const std::string variant = "cuda cores, batch tile " + std::to_string(BT) + ", rows a warp " + std::to_string(RPW);
   if (wide_ok && a.cols / 8 > 32 * 4) {
     return KernelLaunch::make("gemv", gemv_kernel<W, BT, RPW, E, wide_ok ? 8 : 4, G>, grid,
-                              dim3(kThreads), smem, p);
+                              dim3(kThreads), smem, p).described(variant);
   }
   // Large tiles are arithmetic-heavy: fewer weights in flight, more blocks resident.
   constexpr int kc = BT >= 8 ? 2 : 4;
-  return KernelLaunch::make("gemv", gemv_kernel<W, BT, RPW, E, kc, G>, grid, dim3(kThreads), smem, p);
+  return KernelLaunch::make("gemv", gemv_kernel<W, BT, RPW, E, kc, G>, grid, dim3(kThreads), smem, p)
+      .described(variant);
 }
 
-// M3_GEMV_TENSOR_CORES=0 keeps every gemv on CUDA cores (for comparisons).
-bool use_tensor_cores() {
-  const char* env = std::getenv("M3_GEMV_TENSOR_CORES");
-  return env == nullptr || std::string(env) != "0";
-}
-
-// Rows per warp at batch 1 unless GemvArgs::rows_per_warp says: two. With the next
-// kernel's blocks launched before this one's wait, half the blocks (s2s-14l in_proj: 296
-// instead of 591) start their loads sooner beside the running kernel: the batch-1 step 151
-// us with one row per warp, 136 with two, 171 with four (H200, PERFORMANCE_NOTES.md run
-// 68; beside the fused out_proj, four can win, run 131: the engine measures both).
-// M3_GEMV_SMALL_RPW=1 or 4 for A/B measurements (1 still moves to two when one row per
-// warp would need a second wave).
-int small_rows_per_warp() {
-  const int forced = gemv_small_rows_per_warp_switch();
-  return forced != 0 ? forced : 2;
-}
-
+// Rows per warp at batch 1 unless GemvArgs::rows_per_warp says: the policy's (two by
+// default). With the next kernel's blocks launched before this one's wait, fewer blocks
+// start their loads sooner beside the running kernel (one row a warp lost everywhere and
+// is gone); beside the fused out_proj four can win, so the engine measures both.
 template <typename W, GemvEpilogue E, bool G>
 KernelLaunch plan_tile(const GemvArgs& a, int tile) {
   switch (tile) {
     case 1: {
-      const int rpw = a.rows_per_warp > 0 ? a.rows_per_warp : small_rows_per_warp();
-      if (rpw == 4) return plan_variant<W, 1, 4, E, G>(a);
-      if (rpw == 2) return plan_variant<W, 1, 2, E, G>(a);
-      // One row per warp gives the most blocks; when that would need a second wave on
-      // this GPU, two rows per warp fit the grid into one.
-      KernelLaunch one = plan_variant<W, 1, 1, E, G>(a);
-      const long resident = static_cast<long>(one.resident_blocks_per_sm(kThreads)) * multiprocessor_count();
-      if (static_cast<long>(one.grid().y) > resident) {
-        return plan_variant<W, 1, 2, E, G>(a);
-      }
-      return one;
+      const int rpw = a.rows_per_warp > 0 ? a.rows_per_warp : a.policy.batch1_rows_per_warp;
+      return rpw == 4 ? plan_variant<W, 1, 4, E, G>(a) : plan_variant<W, 1, 2, E, G>(a);
     }
     // Four rows a warp: fewer, larger blocks than the tensor-core kernels', which leave
-    // room beside them for the fused recurrence's (H200, batch 2 with out_proj fused: 164
-    // -> 159-160 us a step, PERFORMANCE_NOTES.md runs 173-174; the engine measures it).
+    // room beside them for the fused recurrence's (the engine measures it at batch 2).
     case 2: return a.rows_per_warp == 4 ? plan_variant<W, 2, 4, E, G>(a) : plan_variant<W, 2, 1, E, G>(a);
     case 4: return plan_variant<W, 4, 2, E, G>(a);
     default: return plan_variant<W, 8, 4, E, G>(a);
@@ -300,11 +277,6 @@ KernelLaunch plan_typed(const GemvArgs& a, int tile) {
 }
 
 }  // namespace
-
-int gemv_small_rows_per_warp_switch() {
-  const int rpw = env_int("M3_GEMV_SMALL_RPW", 0);
-  return rpw == 1 || rpw == 2 || rpw == 4 ? rpw : 0;
-}
 
 std::string gemv_cols_refusal(int cols) {
   // The CUDA-core kernel stages a tile of fp32 input rows in shared memory beside its
@@ -329,9 +301,9 @@ KernelLaunch plan_gemv(const GemvArgs& a) {
   if (a.weight == nullptr || (a.x == nullptr && a.gather.table == nullptr) || a.y == nullptr) {
     throw std::invalid_argument(shape + ": null pointer");
   }
-  if (a.rows_per_warp != 0 && a.rows_per_warp != 1 && a.rows_per_warp != 2 && a.rows_per_warp != 4) {
+  if (a.rows_per_warp != 0 && a.rows_per_warp != 2 && a.rows_per_warp != 4) {
     throw std::invalid_argument(shape + ": rows_per_warp " + std::to_string(a.rows_per_warp) +
-                                " is not 0 (default), 1, 2 or 4");
+                                " is not 0 (default), 2 or 4");
   }
   const GemvGather& gt = a.gather;
   if (gt.table != nullptr &&
@@ -341,13 +313,16 @@ KernelLaunch plan_gemv(const GemvArgs& a) {
                                         "row, the slots, tokens and last tokens, and a 16-byte aligned rows_out");
   }
   // (Batch 2 with four rows a warp asks for CUDA cores: gemv_mma_applies says no.)
-  if (gemv_mma_applies(a) && use_tensor_cores()) return plan_gemv_mma(a);
+  if (const std::string why = gemv_policy_refusal(a.policy); !why.empty()) {
+    throw std::invalid_argument(shape + ": policy " + why);
+  }
+  if (gemv_mma_applies(a)) return plan_gemv_mma(a);
   // The largest power of two <= batch (at most 8) whose x tile fits in shared memory, with
   // the kernel's static part (partial_ss: kWarps floats a vector).
   auto smem_bytes = [&](int t) { return sizeof(float) * t * (static_cast<size_t>(a.cols) + kWarps); };
   int tile = 8;  // (a tile of one fits: gemv_cols_refusal)
   while (tile > 1 && (tile > a.batch || smem_bytes(tile) > kMaxSharedBytesPerBlock)) tile /= 2;
-  return a.type == WeightType::BF16 ? plan_typed<__nv_bfloat16>(a, tile) : plan_typed<float>(a, tile);
+  return a.type == WeightDType::BF16 ? plan_typed<__nv_bfloat16>(a, tile) : plan_typed<float>(a, tile);
 }
 
 }  // namespace m3::kernels

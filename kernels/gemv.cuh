@@ -13,8 +13,9 @@
 
 #include <string>
 
-#include "kernels/embedding.cuh"  // WeightType
 #include "kernels/launch.cuh"
+#include "kernels/plan_policy.h"
+#include "kernels/weight_dtype.h"
 
 namespace m3::kernels {
 
@@ -35,7 +36,7 @@ struct GemvGather {
 
 struct GemvArgs {
   const void* weight = nullptr;  // [rows, cols]; rows = out_rows (2*out_rows for GatedSilu)
-  WeightType type = WeightType::BF16;
+  WeightDType type = WeightDType::BF16;
   int out_rows = 0;
   int cols = 0;                  // multiple of 8
   const float* x = nullptr;      // [batch, x_stride]; unused when gathering
@@ -51,16 +52,12 @@ struct GemvArgs {
   // the GPU).
   bool beside_other_chains = false;
   GemvGather gather;
-  // Output rows a warp computes on CUDA cores: at batch 1, 1, 2 or 4 (0: the planner's
-  // default, 2, or M3_GEMV_SMALL_RPW); at batch 2, 4 asks for the CUDA-core kernel with
-  // four rows a warp instead of tensor cores (other values: the planner's choice).
+  // Output rows a warp computes on CUDA cores: at batch 1, 2 or 4 (0: the policy's
+  // batch1_rows_per_warp); at batch 2, 4 asks for the CUDA-core kernel with four rows a
+  // warp instead of tensor cores (other values: the planner's choice).
   int rows_per_warp = 0;
+  GemvPolicy policy;
 };
-
-// M3_GEMV_SMALL_RPW (A/B measurements): the rows per warp it fixes for batch-1 gemvs on
-// CUDA cores (1, 2 or 4), else 0. Read at every call (planning only), so an engine built
-// after the variable changed sees the change.
-int gemv_small_rows_per_warp_switch();
 
 // Why plan_gemv cannot take weight rows of `cols` columns at any batch, or empty. The
 // planner refuses by this same rule, and an engine checks a model's projections by it

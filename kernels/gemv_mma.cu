@@ -161,7 +161,8 @@ KernelLaunch plan_bt(const GemvArgs& a, const MmaParams& p) {
   const int rows_per_block = E == GemvEpilogue::GatedSilu ? 8 : 16;
   const dim3 grid((a.batch + BT - 1) / BT, (a.out_rows + rows_per_block - 1) / rows_per_block);
   const size_t smem = sizeof(uint32_t) * BT * p.x_row_words + sizeof(float) * kWarps * 16 * BT;
-  return KernelLaunch::make("gemv_mma", gemv_mma_kernel<BT, E, G>, grid, dim3(kThreads), smem, p);
+  return KernelLaunch::make("gemv_mma", gemv_mma_kernel<BT, E, G>, grid, dim3(kThreads), smem, p)
+      .described("tensor cores, 16-row blocks, batch tile " + std::to_string(BT));
 }
 
 size_t smem_for(int bt, int row_words) {
@@ -170,16 +171,8 @@ size_t smem_for(int bt, int row_words) {
 
 }  // namespace
 
-// Smallest batch that takes the tensor-core path; M3_GEMV_MMA_MIN_BATCH overrides (A/B).
-// Measured (s2s-14l step, H200): batch 2 249 -> 224 us on tensor cores (in_proj 8.3 -> 6.5
-// us a layer); batch 1 184 -> 206 (the CUDA-core kernel stays there).
-int min_batch() {
-  static const int value = std::max(1, env_int("M3_GEMV_MMA_MIN_BATCH", 2));
-  return value;
-}
-
 bool gemv_mma_applies(const GemvArgs& a) {
-  if (a.type != WeightType::BF16 || a.batch < min_batch() || a.cols % 32 != 0) return false;
+  if (a.type != WeightDType::BF16 || a.batch < a.policy.tensor_core_min_batch || a.cols % 32 != 0) return false;
   if (a.batch == 2 && a.rows_per_warp == 4) return false;  // CUDA cores asked for (GemvArgs)
   const int words = a.cols / 2 + (16 - (a.cols / 2) % 32 + 32) % 32;
   return smem_for(8, words) <= kMaxSharedBytesPerBlock;
@@ -187,7 +180,7 @@ bool gemv_mma_applies(const GemvArgs& a) {
 
 KernelLaunch plan_gemv_mma(const GemvArgs& a) {
   if (!gemv_mma_applies(a)) {
-    throw std::invalid_argument("plan_gemv_mma: needs bf16 weights, batch >= " + std::to_string(min_batch()) +
+    throw std::invalid_argument("plan_gemv_mma: needs bf16 weights, batch >= " + std::to_string(a.policy.tensor_core_min_batch) +
                                 " and cols % 32 == 0");
   }
   if (gemv_mma_rows_applies(a)) return plan_gemv_mma_rows(a);

@@ -3,8 +3,6 @@
 #include "kernels/gemv_mma_rows.cuh"
 
 #include <algorithm>
-#include <cstdio>
-#include <cstdlib>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
@@ -408,11 +406,11 @@ long resident_blocks(const void* k, int ks, size_t smem) {
 
 }  // namespace
 
-// Batch tile and cluster size from a rough cost model, fitted to H200 measurements: a
+// Batch tile and cluster size from a rough cost model, fitted to measurements: a
 // multiprocessor's time is about (blocks it gets) x (one block's bytes: weights, x slice,
 // a fixed part for latencies), a penalty for slices wider than the held registers
 // (several chunks), times the waves when the grid exceeds what runs at once.
-// M3_GEMV_KS / M3_GEMV_BT override (A/B measurements).
+// GemvPolicy::row_block_cluster / row_block_batch_tile fix either instead.
 KernelLaunch plan_gemv_mma_rows(const GemvArgs& a) {
   const int kblocks = a.cols / 32;
   const int out_rows_per_block = a.epilogue == GemvEpilogue::GatedSilu ? kRowsPerBlock / 2 : kRowsPerBlock;
@@ -421,8 +419,7 @@ KernelLaunch plan_gemv_mma_rows(const GemvArgs& a) {
   while (max_bt < 64 && max_bt < a.batch) max_bt *= 2;
   int bt = max_bt, ks = 4;
   double best = 1e30;
-  // Beside another chain, one batch tile (H200, PERFORMANCE_NOTES.md run 99: the batch-32
-  // bucket's halves 438 -> 423 us with 16-row tiles everywhere, batch 64 720 -> 716).
+  // Beside another chain, one batch tile: fewer blocks, the other chain fills the GPU.
   const int min_bt = a.beside_other_chains ? max_bt : 8;
   for (int cbt = max_bt; cbt >= min_bt; cbt /= 2) {
     for (int cks : {2, 4, 8}) {
@@ -440,36 +437,31 @@ KernelLaunch plan_gemv_mma_rows(const GemvArgs& a) {
       if (cost < best - 1e-9) best = cost, bt = cbt, ks = cks;
     }
   }
-  const int env_ks = env_int("M3_GEMV_KS", 0), env_bt = env_int("M3_GEMV_BT", 0);
-  if (env_ks == 2 || env_ks == 4 || env_ks == 8) ks = env_ks;
-  if (env_bt == 8 || env_bt == 16 || env_bt == 32 || env_bt == 64) bt = env_bt;
+  if (a.policy.row_block_cluster != 0) ks = a.policy.row_block_cluster;
+  if (a.policy.row_block_batch_tile != 0) bt = a.policy.row_block_batch_tile;
 
   const RowsLayout l = rows_layout(kblocks, bt, ks);
   const RowsParams p{gemv_operands<__nv_bfloat16>(a), l.chunk, l.row_words, l.raw_offset, l.part_offset};
   const dim3 grid(((a.batch + bt - 1) / bt) * ks, row_blocks);
-  if (env_int("M3_GEMV_VERBOSE", 0) != 0) {
-    std::fprintf(stderr, "gemv_mma rows %dx%d batch %d: batch tile %d, cluster %d, grid %ux%u, chunk %d, smem %zu\n",
-                 a.out_rows, a.cols, a.batch, bt, ks, grid.x, grid.y, l.chunk, l.smem);
-  }
+  const std::string variant = "tensor cores, 128-row blocks, batch tile " + std::to_string(bt) + ", cluster " +
+                              std::to_string(ks) + ", chunk " + std::to_string(l.chunk);
   if (a.gather.table != nullptr) {
     const RowsGatherParams pg{p, gemv_gather_operands<__nv_bfloat16>(a)};
     return KernelLaunch::make("gemv_mma", rows_kernel_e<GemvEpilogue::Store, true>(bt, ks), grid, dim3(kThreads),
-                              l.smem, pg);
+                              l.smem, pg)
+        .described(variant);
   }
-  return KernelLaunch::make("gemv_mma", rows_kernel(a.epilogue, bt, ks), grid, dim3(kThreads), l.smem, p);
+  return KernelLaunch::make("gemv_mma", rows_kernel(a.epilogue, bt, ks), grid, dim3(kThreads), l.smem, p)
+      .described(variant);
 }
 
-// M3_GEMV_MMA_ROWS=0 keeps the older 16-row kernel (A/B); M3_GEMV_MMA_ROWS_MIN_BATCH
-// moves the batch from which the row-block kernel is used. Below batch 8 it is used only
-// for matrices of many row blocks (measured at batch 4 on H200: in_proj 6.8 -> 5.9 us,
-// but out_proj, 7 row blocks, 4.5 -> 4.9 us). From batch 2 (was 4): the batch-2 step
-// 224 -> 205 us (PERFORMANCE_NOTES.md run 51).
+// From GemvPolicy::row_block_min_batch (0: never). Below batch 8 only for matrices of many
+// row blocks: with few, the 16-row kernel's more blocks fill the GPU better.
 bool gemv_mma_rows_applies(const GemvArgs& a) {
-  static const int min_b = env_int("M3_GEMV_MMA_ROWS_MIN_BATCH", 2);
-  static const bool on = env_int("M3_GEMV_MMA_ROWS", 1) != 0;
+  const int min_b = a.policy.row_block_min_batch;
   const int out_rows_per_block = a.epilogue == GemvEpilogue::GatedSilu ? kRowsPerBlock / 2 : kRowsPerBlock;
   const int row_blocks = (a.out_rows + out_rows_per_block - 1) / out_rows_per_block;
-  return on && a.batch >= min_b && (a.batch >= 8 || row_blocks >= 16) && cluster_launch_supported();
+  return min_b > 0 && a.batch >= min_b && (a.batch >= 8 || row_blocks >= 16) && cluster_launch_supported();
 }
 
 }  // namespace m3::kernels

@@ -8,9 +8,9 @@
 
 namespace m3::kernels {
 
-// For bf16 arguments gemv_mma_applies accepts: batch >= 2 (M3_GEMV_MMA_ROWS_MIN_BATCH),
-// and below batch 8 only for matrices of 16 or more row blocks, on devices that launch
-// thread-block clusters; M3_GEMV_MMA_ROWS=0: never.
+// For bf16 arguments gemv_mma_applies accepts: batch >= GemvPolicy::row_block_min_batch
+// (0: never), and below batch 8 only for matrices of 16 or more row blocks, on devices that
+// launch thread-block clusters.
 bool gemv_mma_rows_applies(const GemvArgs& args);
 KernelLaunch plan_gemv_mma_rows(const GemvArgs& args);
 

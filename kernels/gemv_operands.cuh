@@ -2,6 +2,7 @@
 // each kernel's parameter block, so the kernels share one definition of them.
 #pragma once
 
+#include "kernels/embedding.cuh"  // step_input_token
 #include "kernels/gemv.cuh"
 #include "kernels/launch.cuh"
 
@@ -18,7 +19,7 @@ struct GemvOperands {
   float* y;         // [batch, y_stride]
   int y_stride;
   int batch;
-  int trigger_point;  // pdl_trigger_point(PdlStage::Gemv)
+  int trigger_point;  // GemvPolicy::trigger
 };
 
 // GemvGather with the table typed; the last member of a kernel's parameter block (after
@@ -38,7 +39,7 @@ template <typename W>
 GemvOperands<W> gemv_operands(const GemvArgs& a) {
   return GemvOperands<W>{static_cast<const W*>(a.weight), a.out_rows, a.cols, a.x, a.x_stride,
                          a.norm_weight, a.norm_eps, a.y, a.y_stride, a.batch,
-                         pdl_trigger_point(PdlStage::Gemv)};
+                         static_cast<int>(a.policy.trigger)};
 }
 
 template <typename W>

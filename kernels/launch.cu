@@ -1,6 +1,5 @@
 #include "kernels/launch.cuh"
 
-#include <cstdlib>
 #include <stdexcept>
 
 #include "kernels/common.cuh"
@@ -21,17 +20,6 @@ bool cluster_launch_supported() {
     return cudaDeviceGetAttribute(&v, cudaDevAttrClusterLaunch, device) == cudaSuccess && v != 0;
   }();
   return value;
-}
-
-int env_int(const char* name, int fallback) {
-  const char* env = std::getenv(name);
-  return env != nullptr ? std::atoi(env) : fallback;
-}
-
-int pdl_trigger_point(PdlStage stage) {
-  static const int after_wait = env_int("M3_PDL_EARLY", 3), first = env_int("M3_PDL_FIRST", 2);
-  const int bit = static_cast<int>(stage);
-  return (first & bit) != 0 ? 2 : (after_wait & bit) != 0 ? 1 : 0;
 }
 
 namespace {

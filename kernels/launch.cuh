@@ -22,24 +22,8 @@ bool cluster_launch_supported();
 // Lets `kernel` take `bytes` of dynamic shared memory (above the default 48 KB). The limit
 // belongs to the kernel, not to one launch, so it is only ever raised: lowering it for a
 // smaller plan made an earlier, larger plan of the same kernel fail at launch with
-// cudaErrorInvalidValue (seen on branch experiment/persistent-step-v3,
-// PERFORMANCE_NOTES.md run 143).
+// cudaErrorInvalidValue.
 void allow_dynamic_smem(const void* kernel, size_t bytes);
-
-// An integer environment switch for A/B measurements, or `fallback` when unset.
-int env_int(const char* name, int fallback);
-
-// Where a kernel lets the next one in the stream launch (programmatic dependent launch):
-// 0 after its main work, 1 right after its own wait, 2 before it, so the next kernel's
-// blocks issue their weight loads while this one computes. Default: the gemvs trigger
-// before their wait, the recurrence right after it (H200, PERFORMANCE_NOTES.md runs
-// 66-68: the step 174 -> 151 us at batch 1, 821 -> 794 at batch 64; the recurrence
-// triggering before its wait was slower at batch 2; from batch 16 it triggers later
-// still, see recurrence_trigger_point in mimo_step_tc.cu). M3_PDL_EARLY (bits 1 and 2:
-// recurrence, gemvs trigger after their wait; default 3) and M3_PDL_FIRST (same bits:
-// before it; default 2) override, for A/B measurements.
-enum class PdlStage { Recurrence = 1, Gemv = 2 };
-int pdl_trigger_point(PdlStage stage);
 
 class KernelLaunch {
  public:
@@ -74,7 +58,15 @@ class KernelLaunch {
     name_ = std::move(name);
     return *this;
   }
+  // What the planner chose for this launch beyond its kernel (tile, cluster, rows a warp,
+  // ...), for the step plan's report.
+  KernelLaunch& described(std::string variant) {
+    variant_ = std::move(variant);
+    return *this;
+  }
+  const std::string& variant() const { return variant_; }
   dim3 grid() const { return grid_; }
+  dim3 block() const { return block_; }
   // How many blocks of this launch one multiprocessor holds at once.
   int resident_blocks_per_sm(int threads_per_block) const;
   size_t dynamic_smem() const { return smem_; }
@@ -83,6 +75,7 @@ class KernelLaunch {
   void check_resources() const;
 
   std::string name_;
+  std::string variant_;
   const void* func_ = nullptr;
   dim3 grid_, block_;
   size_t smem_ = 0;

@@ -81,7 +81,7 @@ __global__ void __launch_bounds__(kThreads, 2) mimo_step_kernel(const MimoParams
   };
   load_rows(0);
   if (fused) {  // out_proj columns: async copies into shared memory, waited for at the end
-    const int esize = a.out_proj_type == WeightType::BF16 ? 2 : 4;
+    const int esize = a.out_proj_type == WeightDType::BF16 ? 2 : 4;
     const int row_bytes = pc * esize, pieces = row_bytes / 16;
     const unsigned char* src = static_cast<const unsigned char*>(a.out_proj) +
                                (size_t)(h * P + p0) * esize;
@@ -333,7 +333,7 @@ __global__ void __launch_bounds__(kThreads, 2) mimo_step_kernel(const MimoParams
     float* res = a.residual + (int64_t)b * a.residual_stride;
     for (int m = tid; m < a.d_model; m += kThreads) {
       float acc = 0.f;
-      if (a.out_proj_type == WeightType::BF16) {
+      if (a.out_proj_type == WeightDType::BF16) {
         const uint4* wr = reinterpret_cast<const uint4*>(wsl + (size_t)m * pc * 2);
         for (int q = 0; q < pc / 8; ++q) {
           const uint4 v = wr[q];
@@ -368,45 +368,28 @@ KernelLaunch plan_rank(const MimoStepArgs& a, int p_chunk) {
   floats += (p_chunk + 3) & ~3;  // o_s
   floats = (floats + 3) & ~size_t{3};
   if (a.out_proj != nullptr) {
-    floats += (size_t)a.d_model * p_chunk * (a.out_proj_type == WeightType::BF16 ? 2 : 4) / 4;
+    floats += (size_t)a.d_model * p_chunk * (a.out_proj_type == WeightDType::BF16 ? 2 : 4) / 4;
   }
   return KernelLaunch::make("mimo_step", mimo_step_kernel<R, NV, RW>,
                             dim3(a.headdim / p_chunk, a.heads, a.batch), dim3(kThreads),
-                            floats * sizeof(float), prm);
+                            floats * sizeof(float), prm)
+      .described("cuda cores, " + std::to_string(p_chunk) + " state rows a block" +
+                 (a.out_proj != nullptr ? ", out_proj fused" : ""));
 }
 
-// Rows per block below batch 8: 16, or 8 with M3_MIMO_SMALL_CHUNK=8 (A/B measurements).
-int small_chunk() {
-  static const int value = [] {
-    const char* env = std::getenv("M3_MIMO_SMALL_CHUNK");
-    return env != nullptr && std::string(env) == "8" ? 8 : 16;
-  }();
-  return value;
-}
-
-// Smallest batch whose blocks take a whole 64-row head (8 rows per warp): fewer blocks,
-// each head's prologue (B/C norm, rotary) done once. Measured (s2s-14l step): batch 4
-// 263 us against 326 us with 16-row blocks, batch 8 339 against 388 with 32-row blocks;
-// batch 1 and 2 stay on 16-row blocks with out_proj fused (whole heads unfused: 214 us
-// against 195 at batch 1). M3_MIMO_WHOLE_HEAD_MIN_BATCH=<n> moves it (A/B measurements);
-// out_proj is never fused at whole-head batches.
-int whole_head_min_batch() {
-  static const int value = [] {
-    const int v = env_int("M3_MIMO_WHOLE_HEAD_MIN_BATCH", 0);
-    return v >= 1 ? v : 4;
-  }();
-  return value;
-}
-
+// From MimoStepPolicy::whole_head_min_batch (4 by default) a block takes a whole 64-row
+// head (8 rows per warp): fewer blocks, each head's prologue (B/C norm, rotary) done once;
+// below it, batch 1 and 2 stay on 16-row blocks (MimoStepPolicy::small_batch_rows) with
+// out_proj fused. Out_proj is never fused at whole-head batches.
 // Batches 1 and 2 split a head's rows finely (out_proj fused); larger ones give each
 // block a whole head to amortise its prologue.
 template <int R>
-KernelLaunch plan_nv(const MimoStepArgs& a) {
+KernelLaunch plan_nv(const MimoStepArgs& a, const MimoStepPolicy& policy) {
   const bool split = a.out_norm == nullptr;
   if (a.d_state <= 128) {
-    if (split && a.batch >= whole_head_min_batch() && a.headdim % 64 == 0) return plan_rank<R, 1, 8>(a, 64);
+    if (split && a.batch >= policy.whole_head_min_batch && a.headdim % 64 == 0) return plan_rank<R, 1, 8>(a, 64);
     if (split && a.batch >= 8 && a.headdim % 32 == 0) return plan_rank<R, 1, 4>(a, 32);
-    if (split && small_chunk() == 8 && a.headdim % 8 == 0) return plan_rank<R, 1, 1>(a, 8);
+    if (split && policy.small_batch_rows == 8 && a.headdim % 8 == 0) return plan_rank<R, 1, 1>(a, 8);
     return plan_rank<R, 1, 2>(a, split && a.headdim % 16 == 0 ? 16 : a.headdim);
   }
   return plan_rank<R, 2, 2>(a, split && a.headdim % 16 == 0 ? 16 : a.headdim);
@@ -427,22 +410,22 @@ MimoStateLayout mimo_state_layout(int H, int P, int N, int R, int S) {
 
 namespace {
 // The rows per block plan_nv picks for the fused (small-batch) case.
-int fused_p_chunk(const MimoStepArgs& a) {
+int fused_p_chunk(const MimoStepArgs& a, const MimoStepPolicy& policy) {
   if (a.out_norm != nullptr || a.batch >= 8 || a.d_state > 128 || a.headdim % 16 != 0) return 0;
-  if (a.headdim % 64 == 0 && a.batch >= whole_head_min_batch()) return 0;  // plan_nv: whole heads
-  return small_chunk();
+  if (a.headdim % 64 == 0 && a.batch >= policy.whole_head_min_batch) return 0;  // plan_nv: whole heads
+  return policy.small_batch_rows;
 }
 }  // namespace
 
-bool mimo_step_can_fuse_out_proj(const MimoStepArgs& a) {
+bool mimo_step_can_fuse_out_proj(const MimoStepArgs& a, const MimoStepPolicy& policy) {
   if (a.tensor_cores) {  // plan_mimo_step takes the tensor-core kernel where its shape applies
     MimoStepArgs unfused = a;
     unfused.out_proj = nullptr;
     if (mimo_step_tc_applies(unfused)) return mimo_step_tc_can_fuse_out_proj(a);
   }
-  const int pc = fused_p_chunk(a);
+  const int pc = fused_p_chunk(a, policy);
   if (pc == 0 || a.d_model <= 0) return false;
-  const size_t esize = a.out_proj_type == WeightType::BF16 ? 2 : 4;
+  const size_t esize = a.out_proj_type == WeightDType::BF16 ? 2 : 4;
   const size_t rest = sizeof(float) * (7 * (size_t)a.rank * a.d_state + 2 * (size_t)a.d_state +
                                        2 * (size_t)((a.n_angles + 3) & ~3) + 7 * (size_t)a.rank * pc + 8 * pc + 16);
   return rest + (size_t)a.d_model * pc * esize + 1024 <= kMaxSharedBytesPerBlock;
@@ -457,7 +440,7 @@ std::optional<MimoShapeRefusal> mimo_step_shape_refusal(int headdim, int d_state
   return std::nullopt;
 }
 
-KernelLaunch plan_mimo_step(const MimoStepArgs& a) {
+KernelLaunch plan_mimo_step(const MimoStepArgs& a, const MimoStepPolicy& policy) {
   const std::string what = "mimo_step (H " + std::to_string(a.heads) + ", P " +
                            std::to_string(a.headdim) + ", N " + std::to_string(a.d_state) +
                            ", R " + std::to_string(a.rank) + ", S " + std::to_string(a.n_angles) + ")";
@@ -468,16 +451,19 @@ KernelLaunch plan_mimo_step(const MimoStepArgs& a) {
     throw std::invalid_argument(what + ": " + refusal->dimension + " " + refusal->rule);
   }
   if (2 * a.n_angles > a.d_state) throw std::invalid_argument(what + ": more angles than pairs");
-  if (a.out_proj != nullptr && !mimo_step_can_fuse_out_proj(a)) {
+  if (const std::string why = mimo_step_policy_refusal(policy); !why.empty()) {
+    throw std::invalid_argument(what + ": policy " + why);
+  }
+  if (a.out_proj != nullptr && !mimo_step_can_fuse_out_proj(a, policy)) {
     throw std::invalid_argument(what + ": out_proj cannot be fused at batch " + std::to_string(a.batch));
   }
-  if (a.tensor_cores && mimo_step_tc_applies(a)) return plan_mimo_step_tc(a);
+  if (a.tensor_cores && mimo_step_tc_applies(a)) return plan_mimo_step_tc(a, policy);
   // A head's rows split over blocks unless the grouped output norm needs the whole head.
   switch (a.rank) {
-    case 1: return plan_nv<1>(a);
-    case 2: return plan_nv<2>(a);
-    case 4: return plan_nv<4>(a);
-    default: return plan_nv<8>(a);  // (1, 2, 4 or 8: mimo_step_shape_refusal)
+    case 1: return plan_nv<1>(a, policy);
+    case 2: return plan_nv<2>(a, policy);
+    case 4: return plan_nv<4>(a, policy);
+    default: return plan_nv<8>(a, policy);  // (1, 2, 4 or 8: mimo_step_shape_refusal)
   }
 }
 

@@ -16,8 +16,9 @@
 #include <string>
 
 #include "kernels/common.cuh"
-#include "kernels/embedding.cuh"  // WeightType
 #include "kernels/launch.cuh"
+#include "kernels/plan_policy.h"
+#include "kernels/weight_dtype.h"
 
 namespace m3::kernels {
 
@@ -64,7 +65,8 @@ struct MimoStepArgs {
   int o_stride = 0;
   int batch = 0;
   // This step's rows run beside another chain's (the engine's split buckets): the next
-  // kernel is then let launch right after the wait at every batch (recurrence_trigger_point).
+  // kernel is then let launch right after the wait at every batch (recurrence_trigger_point,
+  // unless MimoStepPolicy::trigger fixes a point).
   bool beside_other_chains = false;
   L2Prefetch prefetch[2];  // weights of later kernels to pull into L2 meanwhile
 
@@ -76,12 +78,12 @@ struct MimoStepArgs {
   // residual stride that is a multiple of 4 from a 16-byte aligned start (it adds four
   // outputs with one vector atomic).
   const void* out_proj = nullptr;
-  WeightType out_proj_type = WeightType::BF16;
+  WeightDType out_proj_type = WeightDType::BF16;
   float* residual = nullptr;  // [batch, residual_stride]
   int residual_stride = 0;
   int d_model = 0;
   // Tensor-core variant: blocks a cluster sums over before its atomics (4 or 8); 0: 8
-  // where the shape allows, else 4 (or M3_MIMO_TC_FUSED_CLUSTER).
+  // where the shape allows, else 4.
   int fused_cluster = 0;
 };
 
@@ -98,9 +100,11 @@ std::optional<MimoShapeRefusal> mimo_step_shape_refusal(int headdim, int d_state
 
 // Whether plan_mimo_step can fuse out_proj for these sizes (the block's out_proj columns
 // must fit in shared memory next to the rest), in the kernel args.tensor_cores picks.
-bool mimo_step_can_fuse_out_proj(const MimoStepArgs& args);
+bool mimo_step_can_fuse_out_proj(const MimoStepArgs& args, const MimoStepPolicy& policy = {});
 
-KernelLaunch plan_mimo_step(const MimoStepArgs& args);
+// MimoStepArgs is the kernels' parameter block as it is, so the planner's policy comes
+// beside it rather than in it.
+KernelLaunch plan_mimo_step(const MimoStepArgs& args, const MimoStepPolicy& policy = {});
 
 // The tensor-core variant (picked by plan_mimo_step when args.tensor_cores is set and it
 // applies): rank 1, 2 or 4, headdim a multiple of 16 up to 64, d_state a multiple of 16
@@ -110,9 +114,6 @@ bool mimo_step_tc_can_fuse_out_proj(const MimoStepArgs& args);
 // The cluster size the tensor-core variant sums out_proj over for these args (0: it cannot
 // fuse out_proj).
 int mimo_step_tc_fused_cluster(const MimoStepArgs& args);
-// M3_MIMO_TC_FUSED_CLUSTER (A/B measurements): the cluster size it fixes for the fused
-// out_proj where args.fused_cluster does not (4 or 8), else 0. Read at every call.
-int mimo_step_tc_fused_cluster_switch();
-KernelLaunch plan_mimo_step_tc(const MimoStepArgs& args);
+KernelLaunch plan_mimo_step_tc(const MimoStepArgs& args, const MimoStepPolicy& policy = {});
 
 }  // namespace m3::kernels

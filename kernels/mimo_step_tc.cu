@@ -50,14 +50,9 @@ __device__ __forceinline__ uint32_t to_tf32(float v) {
 }
 
 // 16 bytes of a state row, not kept in L1 and fetched from DRAM in 256-byte pieces (the
-// state is read once a step). Measured on the H200 against a plain load (PERFORMANCE_NOTES.md
-// runs 203-207, us a step): batch 16 292-293 -> 283-287 (277 with the weight loads of
-// common.cuh, runs 206-207, against 288-290 without it), batch 4 and 8 -0.5 to -1%, batch 1
-// and 2 the same; slower from batch 32: beside other chains 428 -> 435 (b32) and 720 -> 761
-// (b64), as were L2-only and evict-first loads there (runs 201-203), and batch 64 in one
-// chain 810 -> 836 (run 207). Those keep the plain load, in a kernel variant of its own
-// (with a runtime choice between the two loads the plain path itself measured 2% slower
-// at batch 64, run 205).
+// state is read once a step): faster up to batch 16 in one chain, slower from batch 32,
+// where the plain load stays; each in a kernel variant of its own, since a runtime choice
+// between the two slowed the plain path itself (docs/PERFORMANCE.md).
 __device__ __forceinline__ float4 load_state_streamed(const float* p) {
   float4 v;
   asm volatile("ld.global.L1::no_allocate.L2::256B.v4.f32 {%0, %1, %2, %3}, [%4];"
@@ -273,8 +268,7 @@ __device__ __forceinline__ void mimo_step_tc_body(const TcParams& prm) {
   // Now the stores: the first that need a load to have landed. Placed after the in_proj
   // loads are issued, so that k_prev's trip to DRAM (it is state: not in L2 at large
   // batches) and the in_proj outputs' trip to L2 overlap; before the PDL wait, these
-  // stores held every block up on DRAM first (a quarter of all stall samples at batch 64;
-  // moving them: batch 64 876 -> 839 us a step).
+  // stores held every block up on DRAM first (a quarter of all stall samples at batch 64).
 #pragma unroll
   for (int j = 0; j < kKE; ++j) {
     const int e = tid + j * kT;
@@ -404,8 +398,7 @@ __device__ __forceinline__ void mimo_step_tc_body(const TcParams& prm) {
   // Output, row e_row at ranks e_rank0 .. + RL - 1 (a row's LR lanes summed by shuffles
   // at the end): D skip, optional grouped norm (over the head's rows, in however many
   // blocks), gate, mimo_o reduction. With one thread doing all R ranks of a row this was a
-  // chain of R x CS shared-memory loads and R gates (spread: batch 1 123.0 -> 121.9 us a
-  // step, batch 8 216.8 -> 214.5; H200, PERFORMANCE_NOTES.md run 166).
+  // chain of R x CS shared-memory loads and R gates; spread over the lanes it is shorter.
   const int p = p_base + e_row;
   float y[RL];
 #pragma unroll
@@ -526,45 +519,41 @@ __global__ void __cluster_dims__(CL, 1, 1) __launch_bounds__(256, 2) mimo_step_t
   mimo_step_tc_body<R, 1, 8, true, true, CL>(prm);
 }
 
-// Where the recurrence lets out_proj launch (pdl_trigger_point's 0-2, or 3 / 4: after its
-// first / second barrier, once in_proj's outputs / the norms are in). Measured on the H200
-// (PERFORMANCE_NOTES.md run 73): right after the wait up to batch 8 (at batch 1 out_proj
-// then has its weights in when its wait ends: 136 us a step against 153 after the norms),
-// after the norms at batch 16 (302 -> 289 us), after the loads from batch 32 (465 -> 457).
-// Beside another chain, right after the wait at every batch (run 89: the batch-32 bucket,
-// two chains of 16 rows, 442 -> 437.5 us; batch 64 unchanged).
-// M3_PDL_REC_POINT forces one (A/B); M3_PDL_EARLY / M3_PDL_FIRST still apply.
-int recurrence_trigger_point(int batch, bool beside_other_chains) {
-  static const int forced = env_int("M3_PDL_REC_POINT", -1);
-  if (forced >= 0 && forced <= 4) return forced;
-  const int point = pdl_trigger_point(PdlStage::Recurrence);
-  if (point != 1 || beside_other_chains) return point;
+// Where the recurrence lets out_proj launch (PdlTrigger's 0-2, or 3 / 4: after its first /
+// second barrier, once in_proj's outputs / the norms are in), planned by batch: right after
+// the wait up to batch 8 (out_proj's blocks then have their weights in when its wait ends),
+// after the norms at batch 16 and after the loads from batch 32 (its own blocks then get
+// the multiprocessors first); beside another chain right after the wait at every batch
+// (the other chain fills the GPU). MimoStepPolicy::trigger fixes one point instead.
+int recurrence_trigger_point(int batch, bool beside_other_chains, RecurrenceTrigger policy) {
+  if (policy != RecurrenceTrigger::Planned) return static_cast<int>(policy);
+  if (beside_other_chains) return 1;
   return batch < 16 ? 1 : batch < 32 ? 4 : 3;
 }
 
 // Whether the unfused kernel loads the state by load_state_streamed (one chain, up to batch
-// 16) or by plain loads (beside other chains, or a larger batch); M3_STATE_LOAD=plain|streamed
-// forces one (A/B).
-bool state_load_streamed(const MimoStepArgs& a) {
-  static const int forced = [] {
-    const char* v = std::getenv("M3_STATE_LOAD");
-    if (v == nullptr) return -1;
-    return std::string(v) == "plain" ? 0 : std::string(v) == "streamed" ? 1 : -1;
-  }();
-  return forced >= 0 ? forced == 1 : !a.beside_other_chains && a.batch <= 16;
+// 16) or by plain loads (beside other chains, or a larger batch); MimoStepPolicy::state_load
+// fixes one instead.
+bool state_load_streamed(const MimoStepArgs& a, StateLoad policy) {
+  if (policy != StateLoad::Planned) return policy == StateLoad::Streamed;
+  return !a.beside_other_chains && a.batch <= 16;
 }
 
-TcParams tc_params(const MimoStepArgs& a, int p_blocks) {
+TcParams tc_params(const MimoStepArgs& a, int p_blocks, const MimoStepPolicy& policy) {
   return TcParams{a, mimo_state_layout(a.heads, a.headdim, a.d_state, a.rank, a.n_angles),
-                  recurrence_trigger_point(a.batch, a.beside_other_chains), p_blocks};
+                  recurrence_trigger_point(a.batch, a.beside_other_chains, policy.trigger), p_blocks};
 }
 
 template <int R, int CS>
-KernelLaunch plan_cs(const MimoStepArgs& a) {
+KernelLaunch plan_cs(const MimoStepArgs& a, const MimoStepPolicy& policy) {
   const TcSmem s = tc_smem(R, a.d_state, a.headdim, a.headdim, CS, 0);
-  auto* kernel = state_load_streamed(a) ? mimo_step_tc_kernel<R, CS, true> : mimo_step_tc_kernel<R, CS, false>;
+  const bool streamed = state_load_streamed(a, policy.state_load);
+  auto* kernel = streamed ? mimo_step_tc_kernel<R, CS, true> : mimo_step_tc_kernel<R, CS, false>;
+  const TcParams params = tc_params(a, 1, policy);
   return KernelLaunch::make("mimo_step_tc", kernel, dim3(a.heads, a.batch), dim3(128 * CS), sizeof(float) * s.total,
-                            tc_params(a, 1));
+                            params)
+      .described("tensor cores, " + std::to_string(CS) + (CS == 1 ? " warp" : " warps") + " a row tile, " +
+                 (streamed ? "streamed" : "plain") + " state loads, trigger " + std::to_string(params.trigger_point));
 }
 
 bool mimo_step_tc_shape_applies(const MimoStepArgs& a) {
@@ -574,10 +563,9 @@ bool mimo_step_tc_shape_applies(const MimoStepArgs& a) {
 }
 
 // Blocks of a cluster of the fused kernel for p_blocks blocks a head: args.fused_cluster
-// if set, else 8 where the shape allows, else 4 (0: none fits). M3_MIMO_TC_FUSED_CLUSTER=4|8
-// forces one where args do not (A/B).
+// if set, else 8 where the shape allows, else 4 (0: none fits).
 int fused_cluster(const MimoStepArgs& a, int p_blocks) {
-  const int forced = a.fused_cluster != 0 ? a.fused_cluster : mimo_step_tc_fused_cluster_switch();
+  const int forced = a.fused_cluster;
   for (const int cl : {8, 4}) {
     if (forced != 0 && cl != forced) continue;
     // The grouped output norm sums a head's rows over its blocks through the cluster, so
@@ -590,16 +578,13 @@ int fused_cluster(const MimoStepArgs& a, int p_blocks) {
 
 // Blocks per head with out_proj fused (0: it cannot be). Each block takes 16 of the head's
 // rows with 8 warps (one 16-column group of a 128-column state each); clusters of blocks
-// sum their products before the atomics. Measured (H200, s2s-14l, batch 1,
-// PERFORMANCE_NOTES.md runs 101-114): a whole head's columns (114 KB) do not fit in the
-// RTX 5090's shared memory; 32-row blocks staging 57 KB of columns in shared memory made
-// the multiprocessors drain to change their L1 / shared split beside the gemvs (the step
-// 137 -> 228 us); 16-row blocks with the columns in registers keep the unfused kernel's
-// footprint: 137 -> 118-131 us (by where the buffers landed), of which the 112 x 224
-// vector atomics cost 8-21 us (none: 110 us). Summed over clusters of 4 blocks first:
-// 119-121 us whatever the buffers; of 8 (two heads): 115.
+// sum their products before the atomics, eight times fewer of them. Why 16-row blocks with
+// the columns in registers: a whole head's columns (114 KB) do not fit in the RTX 5090's
+// shared memory, and blocks staging their columns in shared memory made the
+// multiprocessors drain to change their L1 / shared split beside the gemvs; these keep the
+// unfused kernel's footprint.
 int fused_blocks_per_head(const MimoStepArgs& a) {
-  if (a.out_proj == nullptr || a.out_proj_type != WeightType::BF16 || a.residual == nullptr) return 0;
+  if (a.out_proj == nullptr || a.out_proj_type != WeightDType::BF16 || a.residual == nullptr) return 0;
   if (a.d_model <= 0 || a.d_model % 4 != 0 || a.d_model > 4 * 256) return 0;
   if (a.residual_stride % 4 != 0 || reinterpret_cast<uintptr_t>(a.residual) % 16 != 0) return 0;
   const int p_blocks = a.headdim / 16;  // 1, 2 or 4: a head's blocks share a cluster (grouped norm)
@@ -608,44 +593,32 @@ int fused_blocks_per_head(const MimoStepArgs& a) {
 }
 
 template <int R>
-KernelLaunch plan_fused(const MimoStepArgs& a) {
+KernelLaunch plan_fused(const MimoStepArgs& a, const MimoStepPolicy& policy) {
   const int p_blocks = fused_blocks_per_head(a);
   const TcSmem s = tc_smem(R, a.d_state, a.headdim, 16, 8, a.d_model);
+  const int cluster = fused_cluster(a, p_blocks);
+  const TcParams params = tc_params(a, p_blocks, policy);
   return KernelLaunch::make("mimo_step_tc",
-                            fused_cluster(a, p_blocks) == 8 ? mimo_step_tc_fused_kernel<R, 8>
-                                                            : mimo_step_tc_fused_kernel<R, 4>,
-                            dim3(a.heads * p_blocks, a.batch), dim3(256), sizeof(float) * s.total,
-                            tc_params(a, p_blocks));
-}
-
-// Warps per row tile (each takes N / split columns): M3_MIMO_TC_SPLIT=1|2|4 for A/B
-// measurements, otherwise 0 (planned below).
-int column_split_override() {
-  static const int value = [] {
-    const int v = env_int("M3_MIMO_TC_SPLIT", 0);
-    return v == 1 || v == 2 || v == 4 ? v : 0;
-  }();
-  return value;
+                            cluster == 8 ? mimo_step_tc_fused_kernel<R, 8> : mimo_step_tc_fused_kernel<R, 4>,
+                            dim3(a.heads * p_blocks, a.batch), dim3(256), sizeof(float) * s.total, params)
+      .described("tensor cores, out_proj fused, clusters of " + std::to_string(cluster) + ", trigger " +
+                 std::to_string(params.trigger_point));
 }
 
 // Two warps per row tile (256 threads, 3 blocks per SM) unless one-warp tiles (128
-// threads, 4 blocks per SM) take fewer waves of blocks: measured on the H200 at batch 16
-// (448 blocks: one wave against two), 437 against 458 us per step; at batch 64, two chains
-// of 896 blocks (two waves against three), 714-716 against 720-721 (PERFORMANCE_NOTES.md
-// run 181); where the waves tie, the two-warp tiles win (batch 4: 171 against 187, batch
-// 8: 214 against 223). At batch 128 (1792 blocks, four waves against five) they measured
-// the same.
+// threads, 4 blocks per SM) take fewer waves of blocks (batch 16 and the two chains of
+// batch 64 on the H200): where the waves tie, the two-warp tiles win.
 template <int R>
-KernelLaunch plan_rank_tc(const MimoStepArgs& a) {
-  if (a.out_proj != nullptr) return plan_fused<R>(a);
+KernelLaunch plan_rank_tc(const MimoStepArgs& a, const MimoStepPolicy& policy) {
+  if (a.out_proj != nullptr) return plan_fused<R>(a, policy);
   const int groups = a.d_state / 16;
-  const int forced = column_split_override();
-  if (forced == 4 && groups % 4 == 0) return plan_cs<R, 4>(a);
-  if (forced == 1 || groups % 2 != 0) return plan_cs<R, 1>(a);
-  KernelLaunch two = plan_cs<R, 2>(a);
+  const int forced = policy.tc_column_split;
+  if (forced == 4 && groups % 4 == 0) return plan_cs<R, 4>(a, policy);
+  if (forced == 1 || groups % 2 != 0) return plan_cs<R, 1>(a, policy);
+  KernelLaunch two = plan_cs<R, 2>(a, policy);
   if (forced == 2) return two;
   const int sms = multiprocessor_count();
-  KernelLaunch one = plan_cs<R, 1>(a);
+  KernelLaunch one = plan_cs<R, 1>(a, policy);
   const int blocks = a.heads * a.batch;
   auto waves = [&](const KernelLaunch& k, int threads) {
     const int per_wave = std::max(1, k.resident_blocks_per_sm(threads) * sms);
@@ -660,11 +633,6 @@ bool mimo_step_tc_can_fuse_out_proj(const MimoStepArgs& a) {
   return mimo_step_tc_shape_applies(a) && fused_blocks_per_head(a) > 0;
 }
 
-int mimo_step_tc_fused_cluster_switch() {
-  const int cl = env_int("M3_MIMO_TC_FUSED_CLUSTER", 0);
-  return cl == 4 || cl == 8 ? cl : 0;
-}
-
 int mimo_step_tc_fused_cluster(const MimoStepArgs& a) {
   return mimo_step_tc_can_fuse_out_proj(a) ? fused_cluster(a, fused_blocks_per_head(a)) : 0;
 }
@@ -673,7 +641,7 @@ bool mimo_step_tc_applies(const MimoStepArgs& a) {
   return mimo_step_tc_shape_applies(a) && (a.out_proj == nullptr || fused_blocks_per_head(a) > 0);
 }
 
-KernelLaunch plan_mimo_step_tc(const MimoStepArgs& a) {
+KernelLaunch plan_mimo_step_tc(const MimoStepArgs& a, const MimoStepPolicy& policy) {
   if (!mimo_step_tc_applies(a)) {
     throw std::invalid_argument("mimo_step (tensor cores): needs rank 1, 2 or 4, headdim a multiple of 16 "
                                 "up to 64, d_state a multiple of 16 up to 128; to fuse out_proj also bf16 "
@@ -681,9 +649,9 @@ KernelLaunch plan_mimo_step_tc(const MimoStepArgs& a) {
                                 "16 a multiple of 4, a residual stride that is a multiple of 4");
   }
   switch (a.rank) {
-    case 1: return plan_rank_tc<1>(a);
-    case 2: return plan_rank_tc<2>(a);
-    default: return plan_rank_tc<4>(a);
+    case 1: return plan_rank_tc<1>(a, policy);
+    case 2: return plan_rank_tc<2>(a, policy);
+    default: return plan_rank_tc<4>(a, policy);
   }
 }
 

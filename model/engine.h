@@ -14,7 +14,9 @@
 #include <string_view>
 #include <vector>
 
+#include "kernels/weight_dtype.h"
 #include "model/config.h"
+#include "model/cuda_policy.h"
 
 namespace m3 {
 
@@ -31,7 +33,6 @@ struct SamplingParams {
   uint64_t seed = 0;         // with the slot's step counter, fixes every random draw
 };
 
-enum class WeightDType { F32, BF16 };
 std::string_view weight_dtype_name(WeightDType);
 bool parse_weight_dtype(std::string_view, WeightDType*);
 
@@ -43,10 +44,10 @@ struct EngineOptions {
   bool use_graphs = true;                        // CUDA; off only for benchmarks/debugging
   // CUDA: no atomics in the step, so a sequence's logits are bitwise the same from run to
   // run (for the same batch). Off, batches 1 and 2 may add out_proj into the residual with
-  // atomics inside the recurrence, where that was measured faster at load (H200 s2s-14l,
-  // batch 1: 116 against 137 us a step on some, 145 against 131 on others; batch 2: 159
-  // against 164); the last bits then vary. The CPU engine is always deterministic.
+  // atomics inside the recurrence, where that was measured faster at load (on some GPUs it
+  // is, on others not); the last bits then vary. The CPU engine is always deterministic.
   bool deterministic = false;
+  CudaPolicy cuda;  // CUDA: how the decode step is built (model/cuda_policy.h)
 };
 
 struct EngineStats {

@@ -2,10 +2,10 @@
 #include <stdexcept>
 #include <string>
 
-#include "model/cpu_engine.h"
+#include "model/cpu/cpu_engine.h"
 #include "model/engine.h"
 #if defined(M3_WITH_CUDA)
-#include "model/cuda_engine.h"
+#include "model/cuda/cuda_engine.h"
 #endif
 
 namespace m3 {

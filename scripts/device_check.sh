@@ -37,27 +37,9 @@ if [[ $MODE == all || $MODE == tests ]]; then
     summary+=("$t: $r ($(grep -E '^\[  (PASSED|FAILED|SKIPPED) ' "$OUT/$t.log" | tr '\n' ' '))")
     [[ $r == FAIL ]] && grep -E "Failure|error|FAILED|Expected|Which is|actual" "$OUT/$t.log" | head -40
   done
-  # The batch-1 gemv's one-row-per-warp variant (the default is two).
-  if M3_GEMV_SMALL_RPW=1 "$BIN/m3_kernel_tests" --gtest_brief=1 --gtest_filter='GemvKernel.*' \
-      >"$OUT/m3_kernel_tests_rpw1.log" 2>&1; then r=PASS; else r=FAIL; fail; fi
-  summary+=("m3_kernel_tests gemv, one row per warp at batch 1: $r")
   # The weights' loads really precede the PDL wait in the built kernels (SASS).
   if scripts/check_pdl_sass.sh "$BIN/m3bench" >"$OUT/pdl_sass.log" 2>&1; then r=PASS; else r=FAIL; fail; fi
   summary+=("pdl wait placement (SASS): $r ($(tail -1 "$OUT/pdl_sass.log"))")
-  # The tensor-core recurrence under its other forms, one switch per run: plain state
-  # loads everywhere (the kernel tests' plans are single-chain: streamed state loads up to
-  # batch 16, plain beyond), and the other column splits (the default is 2 warps per row tile).
-  for sw in M3_STATE_LOAD=plain M3_MIMO_TC_SPLIT=1 M3_MIMO_TC_SPLIT=4; do
-    log="$OUT/m3_kernel_tests_${sw/=/_}.log"
-    if env "$sw" "$BIN/m3_kernel_tests" --gtest_brief=1 --gtest_filter='*TensorCore*' >"$log" 2>&1; then
-      r=PASS
-    else
-      r=FAIL
-      fail
-    fi
-    summary+=("m3_kernel_tests tensor-core, $sw: $r")
-    [[ $r == FAIL ]] && grep -E "Failure|Expected|Which is|actual" "$log" | head -20
-  done
 fi
 
 if [[ $MODE == all || $MODE == check ]]; then
@@ -78,9 +60,9 @@ if [[ $MODE == all || $MODE == check ]]; then
       summary+=("m3check cuda $c $d, one at a time: exit $rc: $(tail -2 "$OUT/m3check_${c}_${d}_alone.log" | tr '\n' ' ')")
     done
     # bf16 engines run the recurrence on tensor cores; check the CUDA-core kernel with
-    # bf16 weights too (M3_MIMO_TC_MIN_BATCH=0 turns the tensor-core variant off).
-    M3_MIMO_TC_MIN_BATCH=0 "$BIN/m3check" "$GOLDEN/$c" "$GOLDEN/$c/trajectory.safetensors" --backend cuda \
-        --dtype bf16 >"$OUT/m3check_${c}_bf16_cudacore.log" 2>&1
+    # bf16 weights too (the policy's recurrence_tensor_core_min_batch: never).
+    "$BIN/m3check" "$GOLDEN/$c" "$GOLDEN/$c/trajectory.safetensors" --backend cuda \
+        --dtype bf16 --cuda-recurrence-tensor-core-min-batch never >"$OUT/m3check_${c}_bf16_cudacore.log" 2>&1
     rc=$?
     [[ $rc -eq 0 ]] || fail
     summary+=("m3check cuda $c bf16 (CUDA-core recurrence): exit $rc: $(tail -2 "$OUT/m3check_${c}_bf16_cudacore.log" | tr '\n' ' ')")
@@ -93,16 +75,35 @@ if [[ $MODE == all || $MODE == bench ]]; then
   rc=$?
   [[ $rc -eq 0 ]] || fail
   summary+=("m3bench decode bf16: exit $rc")
-  # A/B switches, one at a time, in the same run.
-  for sw in ${M3_AB_SWITCHES:-M3_CUDA_CHAINS=1 M3_CUDA_CHAINS=2 M3_PDL_FIRST=0 M3_PDL_EARLY=0 M3_PDL_REC_POINT=1 M3_CUDA_FUSED_OUT_PROJ=0 M3_CUDA_FUSED_OUT_PROJ=1 M3_CUDA_FUSED_EMBEDDING=0 M3_MIMO_TC_FUSED_CLUSTER=4 M3_GEMV_SMALL_RPW=1 M3_MIMO_TC_MIN_BATCH=0 M3_GEMV_MMA_ROWS_MIN_BATCH=4 M3_MIMO_TC_SPLIT=1 M3_CUDA_PDL=0 M3_CUDA_L2_PREFETCH=1 M3_CUDA_NEXT_STEP_PREFETCH=0 M3_STATE_LOAD=plain M3_GEMV_TENSOR_CORES=0}; do
-    env $sw "$BIN/m3bench" decode --config configs/models/s2s-14l.json --batch 1,2,4,16,64 \
-        --iters 100 2>&1 | tee "$OUT/bench_bf16_${sw/=/_}.txt" | sed "s/^/[$sw] /"
+  # Policy variants (configs/server.yaml's cuda: section, as flags), one at a time, in the
+  # same run; M3_AB_RUNS (one run's flags a line) replaces the list.
+  ab_runs=${M3_AB_RUNS:-"--cuda-chains 1
+--cuda-chains 2
+--cuda-gemv-trigger after_wait
+--cuda-recurrence-trigger at_end
+--cuda-recurrence-trigger after_wait
+--cuda-step-variants-out-proj-fused off
+--cuda-step-variants-out-proj-fused on
+--cuda-step-variants-embedding-gathered off
+--cuda-step-variants-fused-cluster 4
+--cuda-recurrence-tensor-core-min-batch never
+--cuda-gemv-row-block-min-batch 4
+--cuda-recurrence-tc-column-split 1
+--cuda-pdl false
+--cuda-next-step-prefetch false
+--cuda-recurrence-state-load plain"}
+  while IFS= read -r flags; do
+    [[ -z $flags ]] && continue
+    name=$(echo "$flags" | tr -s ' ' '_' | sed 's/^--cuda-//')
+    # shellcheck disable=SC2086  # the line is the run's flags
+    "$BIN/m3bench" decode --config configs/models/s2s-14l.json --batch 1,2,4,16,64 \
+        --iters 100 $flags 2>&1 | tee "$OUT/bench_bf16_$name.txt" | sed "s/^/[$flags] /"
     rc=$?
     if [[ $rc -ne 0 ]]; then
       fail
-      summary+=("m3bench decode bf16, $sw: exit $rc")
+      summary+=("m3bench decode bf16, $flags: exit $rc")
     fi
-  done
+  done <<<"$ab_runs"
 fi
 
 if [[ $MODE == trace ]]; then

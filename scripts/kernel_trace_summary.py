@@ -13,7 +13,7 @@ the replay's first kernel, and the time from the previous kernel's end to this o
 increment, not the duration, is what the kernel adds to the step). Last, the mean increment
 of each of the K kernels of a layer over the middle layers; K is detected as the period of
 the kernels (name and grid) before lm_head, after the embedding kernel where there is one
-(the first in_proj gathers the embedding rows itself unless M3_CUDA_FUSED_EMBEDDING=0):
+(the first in_proj gathers the embedding rows itself unless the step variant has an embedding kernel):
 3 in most buckets, 2 where out_proj runs inside the recurrence; two chains side by side
 have none: pass K.
 """

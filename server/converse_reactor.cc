@@ -158,7 +158,6 @@ bool ConverseReactor::start_session() {
   params.request_id = session_id_;
   params.session = true;
   params.sampling = engine_sampling(config_.sampling());
-  params.max_new_tokens = config_.max_new_tokens();
   params.stop_token_ids.assign(config_.stop_token_ids().begin(), config_.stop_token_ids().end());
   params.deadline = steady_deadline(call_->deadline());
   auto seq = std::make_shared<Sequence>(std::move(params), ctx_.stream_buffer_tokens, this);

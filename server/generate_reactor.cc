@@ -37,7 +37,6 @@ void GenerateReactor::start(const v1::GenerateRequest& request) {
   params.request_id = request_id_;
   params.sampling = engine_sampling(request.sampling());
   seed_ = params.sampling.seed;
-  params.max_new_tokens = request.max_new_tokens();
   params.stop_token_ids.assign(request.stop_token_ids().begin(), request.stop_token_ids().end());
   params.deadline = steady_deadline(call_->deadline());
 

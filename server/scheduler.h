@@ -13,8 +13,8 @@
 // session equals one Generate of the concatenated turns and replies.
 //
 // Steps are pipelined: the engine thread submits step N+1 before it collects step N, so
-// the device does not wait while the host hands out step N's tokens (H200, s2s-14l:
-// inter-token latency -8 to -9% at 1 and 64 streams). Step N+1 is built from what is
+// the device does not wait while the host hands out step N's tokens (docs/PERFORMANCE.md:
+// a shorter inter-token latency at every concurrency). Step N+1 is built from what is
 // certain before N's samples are known: a sequence feeding its prompt feeds its next
 // token; a replying one continues unless N's token is its last by length. If N's token
 // is a stop token, the continuation in N+1 is wasted (a Generate: its sample is dropped)

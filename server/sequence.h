@@ -35,7 +35,6 @@ struct SequenceParams {
   std::string request_id;
   bool session = false;  // Converse: the slot stays with the client across turns
   SamplingParams sampling;
-  uint32_t max_new_tokens = 0;  // per reply (a Converse EndTurn may override)
   std::vector<int32_t> stop_token_ids;
   Clock::time_point deadline = Clock::time_point::max();
 };

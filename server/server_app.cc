@@ -57,11 +57,13 @@ ServerApp::ServerApp(const ServerConfig& config, std::shared_ptr<spdlog::logger>
   engine_options.cpu_threads = config_.cpu_threads;
   engine_options.use_graphs = config_.cuda_graphs;
   engine_options.deterministic = config_.deterministic;
+  engine_options.cuda = config_.cuda;
   engine_ = make_engine(config_.backend, *weights_, engine_options);
   const ModelConfig& mc = engine_->config();
   logger_->info("model {}: {} layers, d_model {}, vocab {}, {} parameters; backend {} with {} slots",
                 model_dir.string(), mc.n_layer, mc.d_model, mc.vocab_size, mc.parameter_count(),
                 engine_->backend(), engine_->max_slots());
+  if (engine_->backend() == "cuda") logger_->info("cuda policy: {}", to_string(config_.cuda));
   if (const std::string report = engine_->load_report(); !report.empty()) {
     logger_->info("engine step variants measured at load: {}", report);
   }

@@ -196,6 +196,36 @@ std::string setting_name(const YAML::Node& key, const std::string& source) {
                               known_keys() + ")");
 }
 
+// The `cuda:` section: nested mappings down to values, each at its key path
+// ("gemv.row_block_cluster"), set in `policy` (model/cuda_policy.h names the keys).
+void read_cuda_section(const YAML::Node& node, const std::string& path, const std::string& source,
+                       CudaPolicy& policy) {
+  const std::string where = path.empty() ? "cuda" : "cuda." + path;
+  if (node.IsNull()) return;  // "cuda:" with nothing under it
+  if (!node.IsMap())
+    throw std::invalid_argument(source + ": key '" + where + "': expected a mapping of settings");
+  std::map<std::string, int> line_of_key;
+  for (const auto& item : node) {
+    const std::string key = setting_name(item.first, source);
+    const std::string key_path = path.empty() ? key : path + "." + key;
+    const int line = item.first.Mark().line + 1;
+    if (auto [seen, first] = line_of_key.emplace(key, line); !first)
+      throw std::invalid_argument(source + ": key 'cuda." + key_path + "' is given twice (lines " +
+                                  std::to_string(seen->second) + " and " + std::to_string(line) + ")");
+    if (item.second.IsMap()) {
+      read_cuda_section(item.second, key_path, source, policy);
+      continue;
+    }
+    if (!item.second.IsScalar())
+      throw std::invalid_argument(source + ": key 'cuda." + key_path + "': expected a single value, got a list");
+    if (std::string err = set_cuda_policy_value(policy, key_path, item.second.Scalar()); !err.empty()) {
+      // (An unknown key's message names it already.)
+      throw std::invalid_argument(source + ": " +
+                                  (err.rfind("unknown key", 0) == 0 ? err : "key 'cuda." + key_path + "': " + err));
+    }
+  }
+}
+
 }  // namespace
 
 void ServerConfig::validate() const {
@@ -228,6 +258,7 @@ void ServerConfig::validate() const {
     throw std::invalid_argument("model: '" + model + "' is not a directory");
   if (!tokenizer.empty() && !std::filesystem::is_regular_file(tokenizer))
     throw std::invalid_argument("tokenizer: '" + tokenizer + "' is not a file");
+  cuda.validate();
 }
 
 ServerConfig parse_server_config_yaml(const std::string& yaml_text, const std::string& source,
@@ -244,10 +275,14 @@ ServerConfig parse_server_config_yaml(const std::string& yaml_text, const std::s
       throw std::invalid_argument(source + ": key '" + key + "' is given twice (lines " +
                                   std::to_string(seen->second) + " and " + std::to_string(line) +
                                   "); give each setting once");
+    if (key == "cuda") {
+      read_cuda_section(item.second, "", source, base.cuda);
+      continue;
+    }
     const Setting* setting = find_setting(key);
     if (!setting)
       throw std::invalid_argument(source + ": unknown key '" + key + "' (known: " + known_keys() +
-                                  ")");
+                                  ", cuda)");
     const YAML::Node& value = item.second;
     std::string text;
     if (value.IsNull()) {
@@ -307,11 +342,17 @@ CommandLine parse_command_line(const std::vector<std::string>& args,
     const Setting* setting = nullptr;
     for (const auto& s : settings())
       if (arg == flag_name(s.key)) setting = &s;
-    if (!setting)
+    const bool cuda_flag = !setting && arg.rfind("--cuda-", 0) == 0;
+    if (!setting && !cuda_flag)
       throw std::invalid_argument("unknown flag '" + args[i] + "' (see --help)");
     if (!has_inline_value) {
       if (i + 1 >= args.size()) throw std::invalid_argument(arg + " needs a value");
       value = args[++i];
+    }
+    if (cuda_flag) {
+      if (!set_cuda_policy_flag(out.config.cuda, arg, value))
+        throw std::invalid_argument("unknown flag '" + arg + "' (see --help)");
+      continue;
     }
     if (std::string err = assign(out.config, setting->member, value); !err.empty())
       throw std::invalid_argument(arg + ": " + err);
@@ -330,6 +371,7 @@ std::string command_line_help() {
     std::string f = flag_name(s.key);
     out += "  " + f + std::string(f.size() < 24 ? 24 - f.size() : 1, ' ') + s.help + "\n";
   }
+  out += "\nThe CUDA engine's policy (YAML section cuda:, key path joined with '-'):\n" + cuda_policy_flags_help();
   return out;
 }
 

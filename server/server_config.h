@@ -6,6 +6,8 @@
 #include <string>
 #include <vector>
 
+#include "model/cuda_policy.h"
+
 namespace m3 {
 
 struct ServerConfig {
@@ -30,6 +32,8 @@ struct ServerConfig {
   double session_idle_timeout_s = 300.0;     // a Converse session waiting longer for input ends; 0 = never
   double stalled_stream_timeout_s = 30.0;    // a finished stream its client reads nothing of is cut
   std::string log_level = "info";            // trace | debug | info | warn | error | off
+  // CUDA: how the decode step is built; YAML section `cuda:`, flags --cuda-<key-path>.
+  CudaPolicy cuda;
 
   // Throws std::invalid_argument naming the setting when a value is out of range.
   void validate() const;

@@ -15,9 +15,9 @@ constexpr size_t kAlign = 256;
 // Lays tensors out in one host staging buffer, converted, then copies it up once.
 class Packer {
  public:
-  explicit Packer(kernels::WeightType type) : type_(type) {}
+  explicit Packer(WeightDType type) : type_(type) {}
 
-  size_t add_matrix(const TensorView& t) { return add(t, type_ == kernels::WeightType::BF16); }
+  size_t add_matrix(const TensorView& t) { return add(t, type_ == WeightDType::BF16); }
   size_t add_vector(const TensorView& t) { return add(t, false); }
   std::vector<unsigned char>& bytes() { return host_; }
 
@@ -39,18 +39,18 @@ class Packer {
     return offset;
   }
 
-  kernels::WeightType type_;
+  WeightDType type_;
   std::vector<unsigned char> host_;
 };
 
 }  // namespace
 
-DeviceWeights upload_weights(const ModelWeights& weights, kernels::WeightType type) {
+DeviceWeights upload_weights(const ModelWeights& weights, WeightDType type) {
   const ModelConfig& cfg = weights.config();
   DeviceWeights dw;
   dw.type = type;
   Packer pk(type);
-  const size_t msize = type == kernels::WeightType::BF16 ? 2 : 4;
+  const size_t msize = type == WeightDType::BF16 ? 2 : 4;
 
   struct LayerOffsets {
     size_t in_proj, out_proj, fc1 = 0, fc2 = 0, norm, norm2 = 0, dt_bias, D, B_bias, C_bias,

@@ -6,7 +6,7 @@
 #include <cstddef>
 #include <vector>
 
-#include "kernels/embedding.cuh"  // WeightType
+#include "kernels/weight_dtype.h"
 #include "model/config.h"
 #include "model/cuda/device_buffer.h"
 
@@ -36,7 +36,7 @@ struct DeviceLayer {
 };
 
 struct DeviceWeights {
-  kernels::WeightType type = kernels::WeightType::BF16;
+  WeightDType type = WeightDType::BF16;
   const void* embedding = nullptr;  // [V, d_model]
   const void* lm_head = nullptr;    // [V, d_model] (the embedding when tied)
   const float* norm_f = nullptr;
@@ -46,6 +46,6 @@ struct DeviceWeights {
   DeviceBuffer storage;
 };
 
-DeviceWeights upload_weights(const ModelWeights& weights, kernels::WeightType type);
+DeviceWeights upload_weights(const ModelWeights& weights, WeightDType type);
 
 }  // namespace m3::cuda

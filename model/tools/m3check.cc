@@ -1,4 +1,8 @@
 // m3check MODEL_DIR TRAJECTORY [--backend cpu|cuda|auto] [--dtype fp32|bf16] [--one-at-a-time]
+//         [--cuda-... VALUE ...]
+//
+// The --cuda-... flags set the CUDA engine's policy (model/cuda_policy.h) as m3serve's do,
+// so a variant of the step can be checked against the trajectory.
 //
 // Replays a decode trajectory (teacher forcing: every input is the trajectory's token) on
 // an engine and compares each step's logits with the reference. The sequences decode side
@@ -29,6 +33,7 @@
 #include <string>
 #include <vector>
 
+#include "model/cuda_policy.h"
 #include "model/engine.h"
 #include "model/safetensors.h"
 #include "model/weights.h"
@@ -48,15 +53,20 @@ struct Options {
   std::string model_dir, trajectory, backend = "cpu";
   m3::WeightDType dtype = m3::WeightDType::F32;
   bool one_at_a_time = false;
+  m3::CudaPolicy cuda;
   bool help = false;  // print the usage to stdout and exit 0
 };
 
-const char* kUsage =
-    "usage: m3check MODEL_DIR TRAJECTORY [--backend cpu|cuda|auto] [--dtype fp32|bf16] [--one-at-a-time]\n"
-    "  TRAJECTORY: safetensors with prompt_ids I64 [B,Lp], logits F32 [B,Lp+Ln-1,V],\n"
-    "  greedy_ids I64 [B,Lp+Ln]. --one-at-a-time: each sequence decodes alone (batch 1)\n"
-    "  instead of all B side by side. Exit: 0 ok, 1 outside tolerance, 2 usage, 3 bad input,\n"
-    "  4 --backend cuda with no CUDA device visible (nothing checked).\n";
+std::string usage() {
+  return "usage: m3check MODEL_DIR TRAJECTORY [--backend cpu|cuda|auto] [--dtype fp32|bf16] [--one-at-a-time]\n"
+         "               [--cuda-... VALUE ...]\n"
+         "  TRAJECTORY: safetensors with prompt_ids I64 [B,Lp], logits F32 [B,Lp+Ln-1,V],\n"
+         "  greedy_ids I64 [B,Lp+Ln]. --one-at-a-time: each sequence decodes alone (batch 1)\n"
+         "  instead of all B side by side. Exit: 0 ok, 1 outside tolerance, 2 usage, 3 bad input,\n"
+         "  4 --backend cuda with no CUDA device visible (nothing checked).\n"
+         "the CUDA engine's policy (configs/server.yaml's cuda: section), as m3serve takes it:\n" +
+         m3::cuda_policy_flags_help();
+}
 
 Options parse_args(int argc, char** argv) {
   Options o;
@@ -79,6 +89,12 @@ Options parse_args(int argc, char** argv) {
       }
     } else if (arg == "--one-at-a-time") {
       o.one_at_a_time = true;
+    } else if (arg.rfind("--cuda-", 0) == 0) {
+      try {
+        if (!m3::set_cuda_policy_flag(o.cuda, arg, value())) throw UsageError("unknown option " + arg);
+      } catch (const std::invalid_argument& e) {
+        throw UsageError(e.what());
+      }
     } else if (arg == "-h" || arg == "--help") {
       o.help = true;
       return o;
@@ -94,6 +110,11 @@ Options parse_args(int argc, char** argv) {
   }
   o.model_dir = positional[0];
   o.trajectory = positional[1];
+  try {
+    o.cuda.validate();
+  } catch (const std::invalid_argument& e) {
+    throw UsageError(e.what());
+  }
   return o;
 }
 
@@ -258,11 +279,11 @@ int main(int argc, char** argv) {
     opt = parse_args(argc, argv);
   } catch (const UsageError& e) {
     std::fprintf(stderr, "m3check: %s\n", e.what());
-    std::fputs(kUsage, stderr);
+    std::fputs(usage().c_str(), stderr);
     return kExitUsage;
   }
   if (opt.help) {
-    std::fputs(kUsage, stdout);
+    std::fputs(usage().c_str(), stdout);
     return 0;
   }
 
@@ -281,6 +302,7 @@ int main(int argc, char** argv) {
     m3::EngineOptions eo;
     eo.max_slots = tr.B;
     eo.weight_dtype = opt.dtype;
+    eo.cuda = opt.cuda;
     engine = m3::make_engine(opt.backend, weights, eo);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "m3check: %s\n", e.what());

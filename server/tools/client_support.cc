@@ -6,7 +6,7 @@
 #include <cstdint>
 #include <cstdio>
 
-#include "server/tools/integer_text.h"
+#include "model/tools/integer_text.h"
 
 namespace m3::client {
 

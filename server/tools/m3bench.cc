@@ -3,7 +3,7 @@
 #include <cstring>
 #include <iostream>
 
-#include "server/tools/bench_decode.h"
+#include "model/tools/bench_decode.h"
 #if defined(M3_WITH_SERVE_BENCH)
 #include "server/tools/bench_serve.h"
 #endif

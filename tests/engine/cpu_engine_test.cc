@@ -9,8 +9,8 @@
 #include <string>
 #include <vector>
 
-#include "model/cpu_engine.h"
-#include "model/cpu_sampling.h"
+#include "model/cpu/cpu_engine.h"
+#include "model/cpu/cpu_sampling.h"
 #include "model/engine.h"
 #include "model/weights.h"
 #include "test_models.h"

@@ -15,7 +15,7 @@
 #include <string>
 #include <vector>
 
-#include "model/cuda_engine.h"
+#include "model/cuda/cuda_engine.h"
 #include "model/engine.h"
 #include "model/safetensors.h"
 #include "model/weights.h"

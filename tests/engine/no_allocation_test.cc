@@ -7,7 +7,7 @@
 #include <vector>
 
 #include "counting_new.h"
-#include "model/cpu_engine.h"
+#include "model/cpu/cpu_engine.h"
 #include "model/weights.h"
 #include "test_models.h"
 

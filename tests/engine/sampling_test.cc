@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "kernels/philox.h"
-#include "model/cpu_sampling.h"
+#include "model/cpu/cpu_sampling.h"
 #include "tests/error_of.h"
 
 namespace m3 {

@@ -12,9 +12,10 @@
 
 #include "gpu_test_util.h"
 #include "tests/error_of.h"
-#include "model/cpu_engine.h"
-#include "model/cuda/cuda_engine_impl.h"
-#include "model/cuda_engine.h"
+#include "model/cpu/cpu_engine.h"
+#include "model/cuda/cuda_engine.h"
+#include "model/cuda/device_buffer.h"
+#include "model/cuda/profiling.h"
 #include "model/weights.h"
 #include "test_models.h"
 
@@ -68,11 +69,13 @@ class CudaEngineTest : public ::testing::Test {
     testing::write_model(c, dir_->path());
     weights_ = std::make_unique<ModelWeights>(ModelWeights::load(dir_->path()));
   }
-  std::unique_ptr<Engine> cuda(int slots, WeightDType dtype = WeightDType::F32, bool graphs = true) {
+  std::unique_ptr<Engine> cuda(int slots, WeightDType dtype = WeightDType::F32, bool graphs = true,
+                               const CudaPolicy& policy = {}) {
     EngineOptions o;
     o.max_slots = slots;
     o.weight_dtype = dtype;
     o.use_graphs = graphs;
+    o.cuda = policy;
     return make_cuda_engine(*weights_, o);
   }
   std::unique_ptr<Engine> cpu(int slots) {
@@ -177,7 +180,7 @@ TEST_F(CudaEngineTest, GraphReplayEqualsDirectLaunchesAndBucketsAreIndependent) 
     // Entry 1 alone in a one-slot engine gives the same numbers as inside the batch, up to
     // fp32 rounding: alone, out_proj runs inside the recurrence and adds with atomics in a
     // varying order; in the batch it is a kernel of its own (seen: 1.02e-06 after a few
-    // steps, H200 run 182). Another entry's rows leaking in would be far larger.
+    // steps). Another entry's rows leaking in would be far larger.
     const std::vector<int32_t> one = {t == 0 ? 2 : kContinueToken};
     single->step(std::vector<int32_t>{0}, one, s, ls);
     ASSERT_EQ(s[0], a[1]);
@@ -197,12 +200,13 @@ TEST_F(CudaEngineTest, SplitBucketsMatchCpuEngine) {
   constexpr int kSlots = 40;  // buckets ..., 32, 40: 33 sequences take the 40 bucket
   auto gpu = cuda(kSlots);
   auto ref = cpu(kSlots);
-  auto* impl = dynamic_cast<cuda::CudaEngine*>(gpu.get());
+  auto* impl = cuda::cuda_profiling(*gpu);
   ASSERT_NE(impl, nullptr);
   constexpr int n = 33;
   ASSERT_EQ(impl->bucket_for(n), 40);
   // Bucket 16 runs one chain of the same kernel kinds (the small buckets' variants differ).
   ASSERT_EQ(impl->kernels_per_step(n), 2 * impl->kernels_per_step(16)) << "the 40 bucket is not split";
+  ASSERT_EQ(impl->step_plan(n).chains.size(), 2u) << cuda::to_string(impl->step_plan(n));
   std::vector<int32_t> slots(n);
   for (int i = 0; i < n; ++i) {
     slots[i] = (i * 7) % kSlots;  // scattered slots, rows of both halves
@@ -271,7 +275,7 @@ TEST_F(CudaEngineTest, SmallBucketVariantsAreMeasuredAtLoadAndAllMatchCpuEngine)
   load(c);
   {
     auto gpu = cuda(4, WeightDType::BF16);
-    auto* impl = dynamic_cast<cuda::CudaEngine*>(gpu.get());
+    auto* impl = cuda::cuda_profiling(*gpu);
     ASSERT_NE(impl, nullptr);
     for (const int batch : {1, 2}) {
       const auto& measured = impl->step_variant_timings(batch);
@@ -297,38 +301,107 @@ TEST_F(CudaEngineTest, SmallBucketVariantsAreMeasuredAtLoadAndAllMatchCpuEngine)
   }
   auto ref = cpu(3);
   std::vector<float> by_embedding[2];
-  for (const char* fused : {"1", "0"}) {
-    for (const char* gathered : {"1", "0"}) {
-      for (const char* rows_per_warp : {"2", "4"}) {
-        for (const char* cluster : {"8", "4"}) {
-          if (*fused == '0' && *cluster == '4') continue;  // no clusters without the fused out_proj
-          SCOPED_TRACE(std::string("out_proj fused ") + fused + ", embedding gathered " + gathered +
-                       ", gemv rows a warp " + rows_per_warp + ", clusters of " + cluster);
-          testing::ScopedEnv f("M3_CUDA_FUSED_OUT_PROJ", fused), g("M3_CUDA_FUSED_EMBEDDING", gathered),
-              r("M3_GEMV_SMALL_RPW", rows_per_warp), k("M3_MIMO_TC_FUSED_CLUSTER", cluster);
-          auto gpu = cuda(3, WeightDType::BF16);
-          auto* impl = dynamic_cast<cuda::CudaEngine*>(gpu.get());
+  for (const bool fused : {true, false}) {
+    for (const bool gathered : {true, false}) {
+      for (const int rows_per_warp : {2, 4}) {
+        for (const int cluster : {8, 4}) {
+          if (!fused && cluster == 4) continue;  // no clusters without the fused out_proj
+          SCOPED_TRACE("out_proj fused " + std::to_string(fused) + ", embedding gathered " +
+                       std::to_string(gathered) + ", gemv rows a warp " + std::to_string(rows_per_warp) +
+                       ", clusters of " + std::to_string(cluster));
+          CudaPolicy policy;
+          policy.step_variants.out_proj_fused = fused ? Tuned::On : Tuned::Off;
+          policy.step_variants.embedding_gathered = gathered ? Tuned::On : Tuned::Off;
+          policy.step_variants.batch1_gemv_rows_per_warp = rows_per_warp;
+          policy.step_variants.batch2_gemv = rows_per_warp == 4 ? Batch2Gemv::CudaCores : Batch2Gemv::TensorCores;
+          policy.step_variants.fused_cluster = cluster;
+          auto gpu = cuda(3, WeightDType::BF16, true, policy);
+          auto* impl = cuda::cuda_profiling(*gpu);
           ASSERT_NE(impl, nullptr);
-          const cuda::StepVariant want{*fused == '1', *gathered == '1', *rows_per_warp - '0',
-                                       *fused == '1' ? *cluster - '0' : 0};
+          const cuda::StepVariant want{fused, gathered, rows_per_warp, fused ? cluster : 0};
           EXPECT_EQ(impl->step_variant(1), want) << cuda::to_string(impl->step_variant(1));
-          EXPECT_TRUE(impl->step_variant_timings(1).empty()) << "a forced variant is not measured";
-          // Batch 2: four rows a warp forced means the CUDA-core gemvs there too, two the
-          // tensor-core ones.
-          const cuda::StepVariant want2{want.out_proj_fused, want.embedding_gathered,
-                                        *rows_per_warp == '4' ? 4 : 0, want.fused_cluster};
+          EXPECT_TRUE(impl->step_variant_timings(1).empty()) << "a fixed variant is not measured";
+          // Batch 2: the CUDA-core gemvs with four rows a warp, or the tensor-core ones.
+          const cuda::StepVariant want2{want.out_proj_fused, want.embedding_gathered, rows_per_warp == 4 ? 4 : 0,
+                                        want.fused_cluster};
           EXPECT_EQ(impl->step_variant(2), want2) << cuda::to_string(impl->step_variant(2));
-          EXPECT_TRUE(impl->step_variant_timings(2).empty()) << "a forced variant is not measured";
+          EXPECT_TRUE(impl->step_variant_timings(2).empty()) << "a fixed variant is not measured";
           EXPECT_EQ(gpu->load_report(), "");
+          // The plan says so kernel by kernel: at batch 1 the fused recurrence with its
+          // clusters (no out_proj kernel) or out_proj as its own kernel, the embedding
+          // kernel or none, the CUDA-core gemvs with the rows a warp asked for.
+          const cuda::StepPlanReport plan = impl->step_plan(1);
+          ASSERT_EQ(plan.chains.size(), 1u);
+          int out_proj = 0, embedding = 0, fused_recurrences = 0, gemvs = 0;
+          for (const cuda::PlannedKernel& k : plan.chains[0]) {
+            out_proj += k.name == "out_proj";
+            embedding += k.name == "embedding";
+            fused_recurrences += k.variant.find("out_proj fused, clusters of " + std::to_string(cluster)) !=
+                                 std::string::npos;
+            if (k.name == "in_proj" || k.name == "lm_head") {
+              ++gemvs;
+              EXPECT_NE(k.variant.find("cuda cores, batch tile 1, rows a warp " + std::to_string(rows_per_warp)),
+                        std::string::npos)
+                  << k.name << ": " << k.variant;
+            }
+          }
+          EXPECT_EQ(out_proj, fused ? 0 : c.n_layer) << cuda::to_string(plan);
+          EXPECT_EQ(fused_recurrences, fused ? c.n_layer : 0) << cuda::to_string(plan);
+          EXPECT_EQ(embedding, gathered ? 0 : 1) << cuda::to_string(plan);
+          EXPECT_EQ(gemvs, c.n_layer + 1) << cuda::to_string(plan);
           decode_against_cpu(*gpu, *ref, V(), 3e-2, {2, 0});  // batch 2
           const std::vector<float> logits = decode_against_cpu(*gpu, *ref, V(), 3e-2, {2});
-          if (*fused == '0' && *rows_per_warp == '2') by_embedding[*gathered == '1'] = logits;  // no atomics
+          if (!fused && rows_per_warp == 2) by_embedding[gathered] = logits;  // no atomics
         }
       }
     }
   }
   ASSERT_FALSE(by_embedding[0].empty());
   EXPECT_EQ(by_embedding[0], by_embedding[1]) << "the gathered embedding rows differ from the kernel's";
+}
+
+// The policy's fields reach the plan, as the plan reports it: chains fixed at one (the
+// 40 bucket unsplit), the row-block gemv's cluster and batch tile, the recurrence's state
+// loads, column split and trigger point; and a policy the planners refuse stops the load
+// naming the field.
+TEST_F(CudaEngineTest, PolicyFieldsShapeTheReportedPlan) {
+  M3_REQUIRE_CUDA_DEVICE();
+  ModelConfig c = testing::small_config();
+  s2s_head_shape(c);
+  load(c);
+  CudaPolicy policy;
+  policy.chains = 1;
+  policy.gemv.row_block_cluster = 2;
+  policy.gemv.row_block_batch_tile = 16;
+  policy.recurrence.state_load = kernels::StateLoad::Plain;
+  policy.recurrence.tc_column_split = 1;
+  policy.recurrence.trigger = kernels::RecurrenceTrigger::AfterNorms;
+  auto gpu = cuda(40, WeightDType::BF16, true, policy);
+  auto* impl = cuda::cuda_profiling(*gpu);
+  ASSERT_NE(impl, nullptr);
+  EXPECT_EQ(impl->policy(), policy);
+  const cuda::StepPlanReport plan = impl->step_plan(33);
+  ASSERT_EQ(plan.chains.size(), 1u) << cuda::to_string(plan);
+  int in_proj = 0, recurrence = 0;
+  for (const cuda::PlannedKernel& k : plan.chains[0]) {
+    if (k.name == "in_proj") {
+      ++in_proj;
+      EXPECT_NE(k.variant.find("128-row blocks, batch tile 16, cluster 2,"), std::string::npos) << k.variant;
+    }
+    if (k.name == "mimo_step_tc") {
+      ++recurrence;
+      EXPECT_EQ(k.variant, "tensor cores, 1 warp a row tile, plain state loads, trigger 4");
+    }
+  }
+  EXPECT_EQ(in_proj, c.n_layer);
+  EXPECT_EQ(recurrence, c.n_layer);
+  auto ref = cpu(40);
+  decode_against_cpu(*gpu, *ref, V(), 3e-2, {3, 0, 17, 39});
+
+  CudaPolicy bad;
+  bad.recurrence.small_batch_rows = 12;
+  EXPECT_EQ(test::error_of<std::invalid_argument>([&] { cuda(2, WeightDType::BF16, true, bad); }),
+            "cuda.recurrence.small_batch_rows must be 8 or 16, got 12");
 }
 
 // EngineOptions::deterministic keeps atomics out of the step (out_proj is not fused at
@@ -346,7 +419,7 @@ TEST_F(CudaEngineTest, DeterministicStepsRepeatBitForBit) {
     o.weight_dtype = dtype;
     o.deterministic = true;
     auto e = make_cuda_engine(*weights_, o);
-    auto* impl = dynamic_cast<cuda::CudaEngine*>(e.get());
+    auto* impl = cuda::cuda_profiling(*e);
     ASSERT_NE(impl, nullptr);
     ASSERT_FALSE(impl->step_variant(1).out_proj_fused);
     ASSERT_FALSE(impl->step_variant(2).out_proj_fused);
@@ -394,7 +467,7 @@ TEST_F(CudaEngineTest, DecodeStepsAllocateNothingAndReplayOneGraph) {
   EXPECT_EQ(cuda::allocation_count(), before);
   EXPECT_EQ(e->stats().steps, 100u);
   EXPECT_EQ(e->stats().graph_replays, 100u);
-  auto* impl = dynamic_cast<cuda::CudaEngine*>(e.get());
+  auto* impl = cuda::cuda_profiling(*e);
   ASSERT_NE(impl, nullptr);
   EXPECT_EQ(impl->bucket_sizes(), (std::vector<int>{1, 2, 4, 8}));
 }
@@ -552,9 +625,9 @@ TEST_F(CudaEngineTest, RefusesAShapeItsKernelsCannotRunInTheConfigsTerms) {
 
 // A server builds its engine on one thread and steps it on its scheduler's, whose current
 // device is 0 unless set: stepping device 1's engine from there must work, graphs or not.
-// (With CUDA 13 it did before the engine made its device current too, run 227: the
-// runtime sends stream-ordered calls to their stream's device. The test guards the
-// arrangement, not that one call.)
+// (With CUDA 13 it did before the engine made its device current too: the runtime sends
+// stream-ordered calls to their stream's device. The test guards the arrangement, not
+// that one call.)
 TEST_F(CudaEngineTest, StepsFromAnotherThreadOnItsOwnDevice) {
   M3_REQUIRE_CUDA_DEVICE();
   if (cuda_device_count() < 2) GTEST_SKIP() << "needs two CUDA devices (" << cuda_device_count() << " visible)";

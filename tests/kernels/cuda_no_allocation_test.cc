@@ -8,7 +8,7 @@
 
 #include "counting_new.h"
 #include "gpu_test_util.h"
-#include "model/cuda_engine.h"
+#include "model/cuda/cuda_engine.h"
 #include "model/weights.h"
 #include "test_models.h"
 

@@ -27,18 +27,6 @@ inline bool cuda_device_present() {
 #define M3_REQUIRE_CUDA_DEVICE() \
   if (!::m3::testing::cuda_device_present()) GTEST_SKIP() << "no CUDA device"
 
-// Sets an environment switch while it lives (engines and planners read their switches when built).
-class ScopedEnv {
- public:
-  ScopedEnv(const char* name, const char* value) : name_(name) { setenv(name, value, 1); }
-  ~ScopedEnv() { unsetenv(name_); }
-  ScopedEnv(const ScopedEnv&) = delete;
-  ScopedEnv& operator=(const ScopedEnv&) = delete;
-
- private:
-  const char* name_;
-};
-
 template <typename T>
 class DeviceArray {
  public:

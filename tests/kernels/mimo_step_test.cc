@@ -119,8 +119,11 @@ void twin_step(const Dims& d, const kernels::MimoStateLayout& L, const Params& p
 }
 
 // tensor_cores: the tf32 variant (mimo_step_tc.cu), held to 5e-3 instead of 1e-5.
+// `policy` is the planner's; `want_variant`, when given, is part of what the plan must say
+// it chose (KernelLaunch::variant).
 void run_dims(const Dims& d, uint32_t seed, int batch = 3, int fuse_d_model = 0,
-              kernels::WeightType fuse_type = kernels::WeightType::BF16, bool tensor_cores = false) {
+              WeightDType fuse_type = WeightDType::BF16, bool tensor_cores = false,
+              const kernels::MimoStepPolicy& policy = {}, const std::string& want_variant = "") {
   SCOPED_TRACE("H " + std::to_string(d.H) + " P " + std::to_string(d.P) + " N " + std::to_string(d.N) +
                " R " + std::to_string(d.R) + " S " + std::to_string(d.S));
   const int H = d.H, P = d.P, N = d.N, R = d.R, S = d.S;
@@ -162,7 +165,7 @@ void run_dims(const Dims& d, uint32_t seed, int batch = 3, int fuse_d_model = 0,
   // guard column past d_model (the tensor-core kernel needs a stride that is a multiple of 4).
   const int res_stride = fuse_d_model + (tensor_cores ? 4 : 1);
   std::vector<float> w_out = testing::random_floats(static_cast<size_t>(std::max(fuse_d_model, 1)) * d_inner, seed + 30);
-  if (fuse_type == kernels::WeightType::BF16) w_out = testing::round_bf16(w_out);
+  if (fuse_type == WeightDType::BF16) w_out = testing::round_bf16(w_out);
   DeviceArray<float> dw_out32(w_out);
   DeviceArray<uint16_t> dw_out16(testing::to_bf16(w_out));
   std::vector<float> residual = testing::random_floats(static_cast<size_t>(batch) * res_stride, seed + 31);
@@ -197,16 +200,17 @@ void run_dims(const Dims& d, uint32_t seed, int batch = 3, int fuse_d_model = 0,
     a.batch = batch;
     a.tensor_cores = tensor_cores;
     if (fuse_d_model > 0) {
-      a.out_proj = fuse_type == kernels::WeightType::BF16 ? static_cast<const void*>(dw_out16.get()) : dw_out32.get();
+      a.out_proj = fuse_type == WeightDType::BF16 ? static_cast<const void*>(dw_out16.get()) : dw_out32.get();
       a.out_proj_type = fuse_type;
       a.residual = dres.get();
       a.residual_stride = res_stride;
       a.d_model = fuse_d_model;
-      ASSERT_TRUE(kernels::mimo_step_can_fuse_out_proj(a));
+      ASSERT_TRUE(kernels::mimo_step_can_fuse_out_proj(a, policy));
       dres.upload(residual);
     }
-    const kernels::KernelLaunch plan = kernels::plan_mimo_step(a);
+    const kernels::KernelLaunch plan = kernels::plan_mimo_step(a, policy);
     ASSERT_EQ(plan.name(), tensor_cores ? "mimo_step_tc" : "mimo_step");
+    ASSERT_NE(plan.variant().find(want_variant), std::string::npos) << plan.variant();
     plan.launch(nullptr, false);
     M3_CUDA_CHECK(cudaDeviceSynchronize());
 
@@ -296,8 +300,8 @@ TEST(MimoStepKernel, MatchesTwinAtLargeBatches) {
 
 TEST(MimoStepKernel, FusedOutProjAddsIntoTheResidual) {
   M3_REQUIRE_CUDA_DEVICE();
-  run_dims({3, 48, 36, 4, 9, false, true}, 800, 3, 101, kernels::WeightType::BF16);
-  run_dims({2, 32, 28, 2, 7, false, true}, 900, 5, 64, kernels::WeightType::F32);
+  run_dims({3, 48, 36, 4, 9, false, true}, 800, 3, 101, WeightDType::BF16);
+  run_dims({2, 32, 28, 2, 7, false, true}, 900, 5, 64, WeightDType::F32);
 }
 
 // The tensor-core variant with out_proj fused: a head's rows in blocks of 16, clusters of
@@ -308,7 +312,7 @@ TEST(MimoStepKernel, FusedOutProjAddsIntoTheResidual) {
 // twin's.
 TEST(MimoStepKernel, TensorCoreVariantFusesOutProj) {
   M3_REQUIRE_CUDA_DEVICE();
-  const auto bf16 = kernels::WeightType::BF16;
+  const auto bf16 = WeightDType::BF16;
   run_dims({3, 64, 128, 4, 32, false, true}, 1900, 1, 112, bf16, true);
   run_dims({2, 64, 128, 4, 32, false, true}, 1950, 6, 48, bf16, true);
   run_dims({2, 32, 128, 4, 16, false, true}, 2000, 3, 64, bf16, true);
@@ -332,7 +336,7 @@ TEST(MimoStepKernel, TensorCoreVariantRefusesToFuseWhatItCannot) {
   kernels::MimoStepArgs a;
   a.heads = 2; a.headdim = 64; a.d_state = 128; a.rank = 4; a.n_angles = 32; a.batch = 1;
   a.tensor_cores = true;
-  a.out_proj = w_out.get(); a.out_proj_type = kernels::WeightType::BF16;
+  a.out_proj = w_out.get(); a.out_proj_type = WeightDType::BF16;
   a.residual = res.get(); a.residual_stride = 68; a.d_model = 64;
   EXPECT_TRUE(kernels::mimo_step_can_fuse_out_proj(a));
   EXPECT_TRUE(kernels::mimo_step_tc_applies(a));
@@ -348,11 +352,11 @@ TEST(MimoStepKernel, TensorCoreVariantRefusesToFuseWhatItCannot) {
   a.residual_stride = 65;
   EXPECT_FALSE(kernels::mimo_step_can_fuse_out_proj(a));
   a.residual_stride = 68;
-  a.out_proj_type = kernels::WeightType::F32;
+  a.out_proj_type = WeightDType::F32;
   EXPECT_FALSE(kernels::mimo_step_tc_applies(a));
   const std::string msg = test::error_of<std::invalid_argument>([&] { kernels::plan_mimo_step(a); });
   EXPECT_NE(msg.find("out_proj cannot be fused"), std::string::npos) << msg;
-  a.out_proj_type = kernels::WeightType::BF16;
+  a.out_proj_type = WeightDType::BF16;
   a.d_state = 64;
   EXPECT_FALSE(kernels::mimo_step_can_fuse_out_proj(a));
   a.d_state = 128;
@@ -375,7 +379,7 @@ TEST(MimoStepKernel, TensorCoreVariantRefusesToFuseWhatItCannot) {
 // large batch of the s2s-14l head shape.
 TEST(MimoStepKernel, TensorCoreVariantMatchesTwin) {
   M3_REQUIRE_CUDA_DEVICE();
-  const auto bf16 = kernels::WeightType::BF16;
+  const auto bf16 = WeightDType::BF16;
   run_dims({3, 64, 128, 4, 32, false, true}, 1300, 5, 0, bf16, true);
   run_dims({2, 32, 32, 4, 8, false, true}, 1400, 3, 0, bf16, true);   // the tiny golden shape
   run_dims({2, 48, 48, 2, 12, true, true}, 1500, 4, 0, bf16, true);   // grouped norm, 3 groups
@@ -384,6 +388,44 @@ TEST(MimoStepKernel, TensorCoreVariantMatchesTwin) {
   run_dims({2, 64, 128, 4, 32, false, true}, 1800, 150, 0, bf16, true);
   run_dims({2, 64, 128, 2, 32, false, true}, 1850, 3, 0, bf16, true);  // rank 2, two warps a tile
   run_dims({2, 64, 128, 1, 32, false, false}, 1870, 3, 0, bf16, true); // rank 1, two warps a tile
+}
+
+// The tensor-core kernel's other forms, each fixed by the policy and asserted in the plan:
+// plain and streamed state loads (the planner streams in single-chain buckets up to batch
+// 16, plain beyond and beside other chains) and one, two and four warps a row tile.
+TEST(MimoStepKernel, TensorCoreVariantUnderEachPolicyMatchesTwin) {
+  M3_REQUIRE_CUDA_DEVICE();
+  const auto bf16 = WeightDType::BF16;
+  uint32_t seed = 1900;
+  for (const auto load : {kernels::StateLoad::Plain, kernels::StateLoad::Streamed}) {
+    kernels::MimoStepPolicy policy;
+    policy.state_load = load;
+    const std::string want = load == kernels::StateLoad::Plain ? "plain state loads" : "streamed state loads";
+    SCOPED_TRACE(want);
+    run_dims({3, 64, 128, 4, 32, false, true}, seed++, 5, 0, bf16, true, policy, want);
+    run_dims({2, 48, 48, 2, 12, true, true}, seed++, 20, 0, bf16, true, policy, want);
+  }
+  for (const int split : {1, 2, 4}) {
+    kernels::MimoStepPolicy policy;
+    policy.tc_column_split = split;
+    const std::string want = std::to_string(split) + (split == 1 ? " warp" : " warps") + " a row tile";
+    SCOPED_TRACE(want);
+    run_dims({3, 64, 128, 4, 32, false, true}, seed++, 5, 0, bf16, true, policy, want);
+    run_dims({2, 64, 64, 1, 16, true, false}, seed++, 3, 0, bf16, true, policy, want);
+  }
+  kernels::MimoStepPolicy at_end;
+  at_end.trigger = kernels::RecurrenceTrigger::AtEnd;
+  run_dims({2, 32, 32, 4, 8, false, true}, seed++, 3, 0, bf16, true, at_end, "trigger 0");
+}
+
+TEST(MimoStepKernel, RefusesAPolicyItHasNoPlanFor) {
+  M3_REQUIRE_CUDA_DEVICE();
+  kernels::MimoStepArgs a;
+  a.heads = 2; a.headdim = 16; a.d_state = 16; a.rank = 1; a.n_angles = 4; a.batch = 1;
+  kernels::MimoStepPolicy policy;
+  policy.tc_column_split = 3;
+  const std::string msg = test::error_of<std::invalid_argument>([&] { kernels::plan_mimo_step(a, policy); });
+  EXPECT_NE(msg.find("policy tc_column_split must be 0 (planned), 1, 2 or 4, got 3"), std::string::npos) << msg;
 }
 
 TEST(MimoStepKernel, TensorCoreVariantRefusesWhatItCannotDo) {

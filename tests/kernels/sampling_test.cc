@@ -1,4 +1,4 @@
-// The sampling kernel against the host definition (model/cpu_sampling.h) on random
+// The sampling kernel against the host definition (model/cpu/cpu_sampling.h) on random
 // logits of an odd vocabulary inside a padded row: greedy, temperature, top-k, top-p and
 // their mixes, ties, per-slot seeds and counters, with and without the blocks that pull the
 // next step's weights into L2; and the embedding gather with continue tokens.
@@ -8,7 +8,7 @@
 #include "gpu_test_util.h"
 #include "kernels/embedding.cuh"
 #include "kernels/sampling.cuh"
-#include "model/cpu_sampling.h"
+#include "model/cpu/cpu_sampling.h"
 #include "tests/error_of.h"
 
 namespace m3 {
@@ -159,10 +159,10 @@ TEST(EmbeddingKernel, GathersTokensAndContinues) {
   DeviceArray<float> dtable(table), dout(3 * dim);
   DeviceArray<uint16_t> dtable16(testing::to_bf16(table));
   DeviceArray<int32_t> dslots(slots), dtokens(tokens), dlast(last);
-  for (kernels::WeightType type : {kernels::WeightType::F32, kernels::WeightType::BF16}) {
+  for (WeightDType type : {WeightDType::F32, WeightDType::BF16}) {
     dout.poison();
     kernels::EmbeddingArgs a;
-    a.table = type == kernels::WeightType::F32 ? static_cast<const void*>(dtable.get()) : dtable16.get();
+    a.table = type == WeightDType::F32 ? static_cast<const void*>(dtable.get()) : dtable16.get();
     a.type = type;
     a.vocab_rows = vocab;
     a.dim = dim;
@@ -178,7 +178,7 @@ TEST(EmbeddingKernel, GathersTokensAndContinues) {
     for (int b = 0; b < 3; ++b)
       for (int i = 0; i < dim; ++i) {
         float want = table[expect_token[b] * dim + i];
-        if (type == kernels::WeightType::BF16) want = bf16_to_f32(f32_to_bf16(want));
+        if (type == WeightDType::BF16) want = bf16_to_f32(f32_to_bf16(want));
         ASSERT_EQ(out[b * dim + i], want) << "entry " << b << " element " << i;
       }
   }

@@ -67,11 +67,9 @@ TEST(SchedulerAllocation, TheEngineThreadAllocatesNothingPerToken) {
   Scheduler scheduler(engine, {}, nullptr, nullptr);
   CountingWriter writers[2];
   for (int i = 0; i < 2; ++i) {
-    SequenceParams params;
-    params.max_new_tokens = 1'000'000;
-    writers[i].sequence = std::make_shared<Sequence>(params, 1 << 16, &writers[i]);
+    writers[i].sequence = std::make_shared<Sequence>(SequenceParams{}, 1 << 16, &writers[i]);
     writers[i].sequence->add_input(std::vector<int32_t>{1 + i, 2, 3});
-    writers[i].sequence->end_turn(params.max_new_tokens);
+    writers[i].sequence->end_turn(1'000'000);
     writers[i].sequence->close_input();
     ASSERT_EQ(scheduler.submit(writers[i].sequence).status, StreamStatus::kOk);
   }

@@ -149,7 +149,6 @@ std::unique_ptr<CollectingWriter> start(Scheduler& scheduler, std::vector<int32_
                                         std::vector<int32_t> stop_ids = {}) {
   auto writer = std::make_unique<CollectingWriter>();
   SequenceParams params;
-  params.max_new_tokens = max_new;
   params.stop_token_ids = std::move(stop_ids);
   writer->seq = std::make_shared<Sequence>(params, 4096, writer.get());
   writer->seq->add_input(prompt);

@@ -1,4 +1,4 @@
-#include "model/cpu_thread_pool.h"
+#include "model/cpu/cpu_thread_pool.h"
 
 #include <algorithm>
 

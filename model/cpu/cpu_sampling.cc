@@ -1,4 +1,4 @@
-#include "model/cpu_sampling.h"
+#include "model/cpu/cpu_sampling.h"
 
 #include <algorithm>
 #include <cmath>

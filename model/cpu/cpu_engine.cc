@@ -1,4 +1,4 @@
-#include "model/cpu_engine.h"
+#include "model/cpu/cpu_engine.h"
 
 #include <algorithm>
 #include <atomic>
@@ -12,9 +12,9 @@
 
 #include <unistd.h>
 
-#include "model/cpu_ops.h"
-#include "model/cpu_sampling.h"
-#include "model/cpu_thread_pool.h"
+#include "model/cpu/cpu_ops.h"
+#include "model/cpu/cpu_sampling.h"
+#include "model/cpu/cpu_thread_pool.h"
 #include "model/weights.h"
 
 namespace m3 {

@@ -1,4 +1,4 @@
-#include "server/tools/bench_decode.h"
+#include "model/tools/bench_decode.h"
 
 #include <algorithm>
 #include <chrono>
@@ -15,25 +15,31 @@
 #include <nlohmann/json.hpp>
 
 #include "model/config.h"
+#include "model/cuda_policy.h"
 #include "model/random_model.h"
+#include "model/tools/integer_text.h"
 #include "model/weights.h"
-#include "server/tools/integer_text.h"
 #if defined(M3_WITH_CUDA)
 #include <unistd.h>
 
 #include "kernels/common.cuh"
-#include "model/cuda/cuda_engine_impl.h"
-#include "model/cuda_engine.h"
+#include "model/cuda/cuda_engine.h"
+#include "model/cuda/profiling.h"
 #endif
 
 namespace m3 {
 namespace {
 
-constexpr const char* kUsage =
-    "usage: m3bench decode --config FILE [--batch 1,4,16,64] [--dtype bf16|fp32]\n"
-    "                      [--iters 300] [--json OUT] [--seed 1] [--per-kernel]\n"
-    "  --batch: batch sizes in [1, 4096], comma-separated; --iters: 10 to 1000000\n"
-    "  --per-kernel: also time every kernel of the step alone (sum by kernel name)\n";
+std::string usage() {
+  return "usage: m3bench decode --config FILE [--batch 1,4,16,64] [--dtype bf16|fp32]\n"
+         "                      [--iters 300] [--json OUT] [--seed 1] [--per-kernel] [--plan]\n"
+         "                      [--cuda-... VALUE ...]\n"
+         "  --batch: batch sizes in [1, 4096], comma-separated; --iters: 10 to 1000000\n"
+         "  --per-kernel: also time every kernel of the step alone (sum by kernel name)\n"
+         "  --plan: also print each batch's step as planned (kernels and the planners' choices)\n"
+         "the engine's policy (configs/server.yaml's cuda: section), as m3serve takes it:\n" +
+         cuda_policy_flags_help();
+}
 
 constexpr int kMaxBatch = 4096;
 constexpr int kMaxIters = 1'000'000;
@@ -46,6 +52,8 @@ struct Options {
   std::string json;
   uint64_t seed = 1;
   bool per_kernel = false;
+  bool plan = false;
+  CudaPolicy policy;
 };
 
 template <typename Int>
@@ -87,8 +95,11 @@ Options parse(int argc, char** argv) {
     else if (a == "--json") o.json = value();
     else if (a == "--seed") o.seed = parse_integer<uint64_t>("--seed", value(), 0, UINT64_MAX);
     else if (a == "--per-kernel") o.per_kernel = true;
+    else if (a == "--plan") o.plan = true;
+    else if (a.rfind("--cuda-", 0) == 0 && set_cuda_policy_flag(o.policy, a, value())) continue;
     else throw std::invalid_argument("unknown argument " + a);
   }
+  o.policy.validate();
   if (o.config.empty()) throw std::invalid_argument("--config is required");
   if (o.dtype != "bf16" && o.dtype != "fp32") throw std::invalid_argument("--dtype must be bf16 or fp32");
   return o;
@@ -153,15 +164,17 @@ int run(const Options& o) {
   eo.max_slots = max_batch;
   eo.weight_dtype = o.dtype == "bf16" ? WeightDType::BF16 : WeightDType::F32;
   eo.use_graphs = true;
-  auto graphed_engine = make_cuda_engine(weights, eo);
-  auto& graphed = dynamic_cast<cuda::CudaEngine&>(*graphed_engine);
+  eo.cuda = o.policy;
+  auto engine = make_cuda_engine(weights, eo);
+  Engine& graphed = *engine;
+  cuda::CudaProfiling& profile = *cuda::cuda_profiling(graphed);
 
   std::vector<Row> rows;
   for (int b : o.batches) {
     Row r;
     r.batch = b;
-    r.bucket = graphed.bucket_for(b);
-    r.kernels = graphed.kernels_per_step(b);
+    r.bucket = profile.bucket_for(b);
+    r.kernels = profile.kernels_per_step(b);
     std::vector<int32_t> slots(b), tokens(b), sampled(b);
     for (int i = 0; i < b; ++i) {
       slots[i] = i;
@@ -194,12 +207,12 @@ int run(const Options& o) {
     }
     graphed.collect_step(sampled);
     r.pipelined_wall_us = median(wall);
-    graphed.time_replays(b, 20, true);  // warm-up
-    r.graph_us = median(graphed.time_replays(b, o.iters, true));
-    graphed.time_replays(b, 10, false);
-    r.direct_us = median(graphed.time_replays(b, o.iters, false));
+    profile.time_replays(b, 20, true);  // warm-up
+    r.graph_us = median(profile.time_replays(b, o.iters, true));
+    profile.time_replays(b, 10, false);
+    r.direct_us = median(profile.time_replays(b, o.iters, false));
     if (o.per_kernel) {
-      for (const auto& kt : graphed.time_kernels(b, 20)) {
+      for (const auto& kt : profile.time_kernels(b, 20)) {
         auto it = std::find_if(r.per_kernel.begin(), r.per_kernel.end(),
                                [&](const auto& p) { return p.first == kt.name; });
         if (it == r.per_kernel.end()) r.per_kernel.emplace_back(kt.name, kt.us);
@@ -207,14 +220,14 @@ int run(const Options& o) {
       }
       for (int i = 0; i < b; ++i) graphed.reset(i);
     }
-    r.floor_bytes = graphed.floor_bytes(b);
+    r.floor_bytes = profile.floor_bytes(b);
     r.floor_us = r.floor_bytes / (bw * 1e9) * 1e6;
     rows.push_back(r);
   }
 
-  std::printf("m3bench decode: %s, %s weights, %s, copy bandwidth %.0f GB/s, pdl %s, l2 prefetch %s\n",
-              o.config.c_str(), o.dtype.c_str(), prop.name, bw, graphed.pdl_enabled() ? "on" : "off",
-              graphed.l2_prefetch_enabled() ? "on" : "off");
+  std::printf("m3bench decode: %s, %s weights, %s, copy bandwidth %.0f GB/s, pdl %s\n", o.config.c_str(),
+              o.dtype.c_str(), prop.name, bw, profile.policy().pdl ? "on" : "off");
+  std::printf("cuda policy: %s\n", to_string(profile.policy()).c_str());
   std::printf("%6s %6s %8s %11s %11s %9s %7s %12s %8s %13s %14s\n", "batch", "bucket", "kernels",
               "us/step", "tokens/s", "floor us", "ratio", "no-graph us", "speedup", "step() wall us",
               "pipelined wall");
@@ -225,12 +238,16 @@ int run(const Options& o) {
   }
   std::printf("step variant per batch (where several apply, each measured at load, us per step):\n");
   for (const Row& r : rows) {
-    std::printf("  batch %d: %s", r.batch, cuda::to_string(graphed.step_variant(r.batch)).c_str());
-    const auto& measured = graphed.step_variant_timings(r.batch);
+    std::printf("  batch %d: %s", r.batch, cuda::to_string(profile.step_variant(r.batch)).c_str());
+    const auto& measured = profile.step_variant_timings(r.batch);
     for (size_t i = 0; i < measured.size(); ++i) {
       std::printf("%s%s %.1f", i == 0 ? "  [" : "; ", cuda::to_string(measured[i].first).c_str(), measured[i].second);
     }
     std::printf("%s\n", measured.empty() ? "" : "]");
+  }
+  if (o.plan) {
+    std::printf("step plans:\n");
+    for (const Row& r : rows) std::printf("%s", to_string(profile.step_plan(r.batch)).c_str());
   }
   if (o.per_kernel) {
     std::printf("kernels timed alone (us per step, each kernel repeated back to back):\n");
@@ -246,8 +263,8 @@ int run(const Options& o) {
     j["dtype"] = o.dtype;
     j["device"] = prop.name;
     j["copy_bandwidth_gbps"] = bw;
-    j["pdl"] = graphed.pdl_enabled();
-    j["l2_prefetch"] = graphed.l2_prefetch_enabled();
+    j["pdl"] = profile.policy().pdl;
+    j["cuda_policy"] = to_string(profile.policy());
     j["iters"] = o.iters;
     for (const Row& r : rows) {
       j["results"].push_back({{"batch", r.batch},
@@ -261,8 +278,8 @@ int run(const Options& o) {
                               {"no_graph_us_per_step", r.direct_us},
                               {"step_call_wall_us", r.step_wall_us},
                               {"pipelined_step_wall_us", r.pipelined_wall_us},
-                              {"step_variant", cuda::to_string(graphed.step_variant(r.batch))}});
-      for (const auto& [variant, us] : graphed.step_variant_timings(r.batch)) {
+                              {"step_variant", cuda::to_string(profile.step_variant(r.batch))}});
+      for (const auto& [variant, us] : profile.step_variant_timings(r.batch)) {
         j["results"].back()["step_variants_measured_us"][cuda::to_string(variant)] = us;
       }
       for (const auto& [name, us] : r.per_kernel) j["results"].back()["kernels_alone_us"][name] = us;
@@ -284,7 +301,7 @@ int run(const Options& o) {
 int run_bench_decode(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     if (std::string_view(argv[i]) == "--help" || std::string_view(argv[i]) == "-h") {
-      std::cout << kUsage;
+      std::cout << usage();
       return 0;
     }
   }
@@ -292,7 +309,7 @@ int run_bench_decode(int argc, char** argv) {
   try {
     o = parse(argc, argv);
   } catch (const std::exception& e) {
-    std::cerr << "m3bench decode: " << e.what() << "\n" << kUsage;
+    std::cerr << "m3bench decode: " << e.what() << "\n" << usage();
     return 2;
   }
 #if defined(M3_WITH_CUDA)

@@ -1,0 +1,376 @@
+// The CUDA engine's Engine API: load (buffers, the steps planned and captured), argument
+// checks, the step queue. A step costs one small H2D copy of the slot table and one graph
+// launch, whose sampling kernels write the sampled ids straight into pinned host memory.
+#include "model/cuda/cuda_engine.h"
+
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+
+#include "kernels/common.cuh"
+#include "kernels/gemv.cuh"
+#include "model/cpu/cpu_sampling.h"
+#include "model/cuda/cuda_engine_impl.h"
+#include "model/cuda/step_tuner.h"
+#include "model/weights.h"
+
+namespace m3 {
+
+int cuda_device_count() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    cudaGetLastError();  // clear the sticky "no driver" error
+    return 0;
+  }
+  return n;
+}
+
+std::unique_ptr<Engine> make_cuda_engine(const ModelWeights& weights, const EngineOptions& options) {
+  return std::make_unique<cuda::CudaEngine>(weights, options);
+}
+
+namespace cuda {
+namespace {
+
+std::string slot_context(const char* fn, int slot) {
+  return std::string(fn) + ": slot " + std::to_string(slot);
+}
+
+// What the kernels need of a model's shape, checked before anything is uploaded or
+// allocated and said in the config's terms, by the planners' own rules (a planner would
+// refuse later, naming kernel arguments). The CPU engine runs any config that validates.
+void check_config_supported(const ModelConfig& c) {
+  auto refuse = [](const std::string& key, int value, const std::string& rule) {
+    throw std::invalid_argument("cuda engine: cannot run this model: " + key + " = " + std::to_string(value) + " " +
+                                rule + " (the cpu backend can)");
+  };
+  // Every projection's input: in_proj and lm_head read d_model, out_proj d_inner, the
+  // MLP's down projection its width.
+  auto check_projection_input = [&](const std::string& key, int cols) {
+    if (const std::string why = kernels::gemv_cols_refusal(cols); !why.empty()) refuse(key, cols, why);
+  };
+  check_projection_input("d_model", c.d_model);
+  check_projection_input("d_inner (ssm_cfg.expand * d_model)", c.d_inner());
+  if (c.has_mlp()) check_projection_input("the MLP width (d_intermediate rounded up to 128)", c.mlp_width());
+  if (const auto r = kernels::mimo_step_shape_refusal(c.ssm.headdim, c.ssm.d_state, c.ssm.mimo_rank)) {
+    refuse("ssm_cfg." + r->dimension, r->value, r->rule);
+  }
+}
+
+}  // namespace
+
+CudaEngine::CudaEngine(const ModelWeights& weights, const EngineOptions& options)
+    : config_(weights.config()),
+      policy_(options.cuda),
+      max_slots_(options.max_slots),
+      scratch_slot_(options.max_slots),
+      use_graphs_(options.use_graphs),
+      device_(options.device) {
+  if (max_slots_ < 1) {
+    throw std::invalid_argument("cuda engine: max_slots must be at least 1, got " +
+                                std::to_string(max_slots_));
+  }
+  policy_.validate();
+  if (options.deterministic) policy_.step_variants.out_proj_fused = Tuned::Off;  // the fused out_proj adds with atomics
+  const int devices = cuda_device_count();
+  if (device_ < 0 || device_ >= devices) {
+    throw std::runtime_error("cuda engine: device " + std::to_string(device_) + " requested, " +
+                             std::to_string(devices) + " visible");
+  }
+  M3_CUDA_CHECK(cudaSetDevice(device_));
+  check_config_supported(config_);
+  M3_CUDA_CHECK(cudaStreamCreateWithFlags(stream_.out(), cudaStreamNonBlocking));
+  M3_CUDA_CHECK(cudaStreamCreateWithFlags(table_stream_.out(), cudaStreamNonBlocking));
+  for (auto& e : table_ready_) M3_CUDA_CHECK(cudaEventCreateWithFlags(e.out(), cudaEventDisableTiming));
+  launcher_ = std::make_unique<StepLauncher>(stream_, policy_.pdl);
+
+  const ModelConfig& c = config_;
+  weights_ = upload_weights(weights, options.weight_dtype);
+  layout_ = kernels::mimo_state_layout(c.n_heads(), c.ssm.headdim, c.ssm.d_state,
+                                       c.ssm.mimo_rank, c.n_angles());
+  slot_state_floats_ = layout_.floats * c.n_layer;
+
+  for (int b = 1; b < max_slots_; b *= 2) bucket_sizes_.push_back(b);
+  bucket_sizes_.push_back(max_slots_);
+  max_bucket_ = max_slots_;
+  bucket_of_batch_.assign(max_slots_ + 1, 0);
+  for (int n = 1, g = 0; n <= max_slots_; ++n) {
+    while (bucket_sizes_[g] < n) ++g;
+    bucket_of_batch_[n] = g;
+  }
+  allocate_buffers();
+  params_.assign(max_slots_ + 1, kernels::SlotSampling{});
+  has_sample_.assign(max_slots_, 0);
+  steps_since_reset_.assign(max_slots_, 0);
+  seen_in_step_.assign(max_slots_, 0);
+  for (auto& e : step_done_) M3_CUDA_CHECK(cudaEventCreateWithFlags(e.out(), cudaEventDisableTiming));
+
+  build_steps();
+  zero_slot(scratch_slot_);  // the variants' trial steps ran on it
+  M3_CUDA_CHECK(cudaDeviceSynchronize());
+}
+
+// Every buffer a step touches, at its largest bucket, zeroed; both device step tables
+// point every row at the scratch slot.
+void CudaEngine::allocate_buffers() {
+  const ModelConfig& c = config_;
+  const int n_all = max_slots_ + 1;  // + the scratch slot
+  const size_t B = max_bucket_;
+  state_ = DeviceBuffer(sizeof(float) * slot_state_floats_ * n_all, "recurrent state");
+  res_ = DeviceBuffer(sizeof(float) * B * c.d_model, "residual stream");
+  w_ = DeviceBuffer(sizeof(float) * B * c.in_proj_rows(), "in_proj output");
+  o_ = DeviceBuffer(sizeof(float) * B * c.d_inner(), "mixer output");
+  if (c.has_mlp()) act_ = DeviceBuffer(sizeof(float) * B * c.mlp_width(), "mlp activation");
+  logits_ = DeviceBuffer(sizeof(float) * B * c.padded_vocab(), "logits");
+  table_ = DeviceBuffer(sizeof(int32_t) * table_ints() * kMaxQueuedSteps, "step tables");
+  params_dev_ = DeviceBuffer(sizeof(kernels::SlotSampling) * n_all, "sampling params");
+  counters_ = DeviceBuffer(sizeof(uint64_t) * n_all, "step counters");
+  last_token_ = DeviceBuffer(sizeof(int32_t) * n_all, "last sampled tokens");
+  table_host_ = PinnedBuffer(sizeof(int32_t) * table_ints() * kMaxQueuedSteps, "step tables (host)");
+  sampled_host_ = PinnedBuffer(sizeof(int32_t) * B * kMaxQueuedSteps, "sampled ids (host)");
+  params_host_ = PinnedBuffer(sizeof(kernels::SlotSampling) * n_all * kMaxQueuedSteps, "sampling params (host)");
+  // The sampling kernels write the ids straight into pinned host memory: a device-to-host
+  // copy after the graph would add to each step() call's wall time.
+  M3_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&sampled_mapped_), sampled_host_.as<void>(), 0));
+
+  M3_CUDA_CHECK(cudaMemset(state_.get(), 0, state_.bytes()));
+  M3_CUDA_CHECK(cudaMemset(res_.get(), 0, res_.bytes()));
+  M3_CUDA_CHECK(cudaMemset(counters_.get(), 0, counters_.bytes()));
+  M3_CUDA_CHECK(cudaMemset(last_token_.get(), 0, last_token_.bytes()));
+  auto* th = table_host_.as<int32_t>();
+  for (size_t i = 0; i < B; ++i) { th[i] = scratch_slot_; th[B + i] = 0; th[2 * B + i] = 0; }
+  for (int t = 0; t < kMaxQueuedSteps; ++t) {
+    M3_CUDA_CHECK(cudaMemcpy(table_.as<int32_t>() + t * table_ints(), th, sizeof(int32_t) * table_ints(),
+                             cudaMemcpyHostToDevice));
+  }
+
+  buffers_.state = state_.as<float>();
+  buffers_.slot_state_floats = slot_state_floats_;
+  buffers_.residual = res_.as<float>();
+  buffers_.in_proj_out = w_.as<float>();
+  buffers_.mixer_out = o_.as<float>();
+  buffers_.mlp_act = act_.as<float>();
+  buffers_.logits = logits_.as<float>();
+  buffers_.tables = table_.as<int32_t>();
+  buffers_.sampled = sampled_mapped_;
+  buffers_.sampling = params_dev_.as<kernels::SlotSampling>();
+  buffers_.counters = counters_.as<uint64_t>();
+  buffers_.last_token = last_token_.as<int32_t>();
+  buffers_.max_bucket = max_bucket_;
+}
+
+// Every handle and buffer is released by its member's destructor (graphs first: they
+// were declared after the streams, events and buffers they use).
+CudaEngine::~CudaEngine() {
+  cudaSetDevice(device_);
+  // Queued steps write into pinned buffers freed below; the table copies run on their own stream.
+  if (stream_) cudaStreamSynchronize(stream_);
+  if (table_stream_) cudaStreamSynchronize(table_stream_);
+}
+
+void CudaEngine::build_steps() {
+  const StepPlanner planner(config_, weights_, buffers_, layout_, policy_);
+  for (int batch : bucket_sizes_) {
+    std::vector<StepGraph> candidates;
+    for (const StepVariant& v : step_variant_candidates(batch, policy_.step_variants)) {
+      StepGraph g{planner.plan(batch, v, 0)};
+      // A variant the shape does not allow plans like another one: keep one of them.
+      const bool seen = std::any_of(candidates.begin(), candidates.end(),
+                                    [&](const StepGraph& o) { return o.plan.variant == g.plan.variant; });
+      if (!seen) candidates.push_back(std::move(g));
+    }
+    graphs_.push_back(choose_fastest_step(std::move(candidates), *launcher_, use_graphs_));
+    graphs_table1_.push_back(StepGraph{planner.plan(batch, graphs_.back().plan.variant, 1)});
+  }
+  if (!use_graphs_) return;
+  for (StepGraph& g : graphs_) {
+    if (g.exec == nullptr) launcher_->capture(g);  // the candidates of tuned buckets already are
+  }
+  for (StepGraph& g : graphs_table1_) launcher_->capture(g);
+}
+
+const StepGraph& CudaEngine::graph_for_batch(int batch, int table) const {
+  return (table == 0 ? graphs_ : graphs_table1_)[bucket_of_batch_[batch]];
+}
+
+std::string CudaEngine::load_report() const { return tuner_report(graphs_); }
+
+void CudaEngine::use_device() const {
+  int current = -1;
+  M3_CUDA_CHECK(cudaGetDevice(&current));
+  if (current != device_) M3_CUDA_CHECK(cudaSetDevice(device_));
+}
+
+void CudaEngine::check_usable(const char* fn) const {
+  if (!failure_.empty()) {
+    throw std::runtime_error(std::string(fn) + ": the cuda engine is unusable after a CUDA error in an earlier call (" +
+                             failure_ + "); a new engine is needed");
+  }
+}
+
+template <typename Work>
+void CudaEngine::or_unusable(Work&& work) {
+  try {
+    use_device();
+    work();
+  } catch (const std::exception& e) {
+    failure_ = e.what();
+    throw;
+  }
+}
+
+void CudaEngine::reset(int slot) {
+  check_usable("reset");
+  if (slot < 0 || slot >= max_slots_) {
+    throw std::invalid_argument(slot_context("reset", slot) + " is out of range [0, " +
+                                std::to_string(max_slots_) + ")");
+  }
+  or_unusable([&] { zero_slot(slot); });  // queued behind the steps already submitted, ahead of later ones
+  has_sample_[slot] = 0;
+  steps_since_reset_[slot] = 0;
+}
+
+// The slot's device side as a new sequence finds it: state, random-draw counter and last
+// sampled token zero (queued on stream_).
+void CudaEngine::zero_slot(int slot) {
+  float* st = state_.as<float>() + static_cast<size_t>(slot) * slot_state_floats_;
+  M3_CUDA_CHECK(cudaMemsetAsync(st, 0, sizeof(float) * slot_state_floats_, stream_));
+  M3_CUDA_CHECK(cudaMemsetAsync(counters_.as<uint64_t>() + slot, 0, sizeof(uint64_t), stream_));
+  M3_CUDA_CHECK(cudaMemsetAsync(last_token_.as<int32_t>() + slot, 0, sizeof(int32_t), stream_));
+}
+
+void CudaEngine::set_sampling(int slot, const SamplingParams& params) {
+  if (slot < 0 || slot >= max_slots_) {
+    throw std::invalid_argument(slot_context("set_sampling", slot) + " is out of range [0, " +
+                                std::to_string(max_slots_) + ")");
+  }
+  if (const std::string why = sampling_params_error(params); !why.empty()) {
+    throw std::invalid_argument(slot_context("set_sampling", slot) + ": " + why);
+  }
+  kernels::SlotSampling& s = params_[slot];
+  s.temperature = params.temperature;
+  s.top_k = params.top_k;
+  s.top_p = params.top_p;
+  s.seed = params.seed;
+  params_dirty_ = true;
+}
+
+void CudaEngine::step(std::span<const int32_t> slots, std::span<const int32_t> tokens,
+                      std::span<int32_t> sampled, std::span<float> logits) {
+  check_usable("step");
+  if (queued_steps() != 0) {
+    throw std::logic_error("step: " + std::to_string(queued_steps()) +
+                           " submitted steps are not collected yet; collect_step() them first");
+  }
+  const size_t n = slots.size(), V = static_cast<size_t>(config_.padded_vocab());
+  if (tokens.size() != n || sampled.size() != n || (!logits.empty() && logits.size() != n * V)) {
+    throw std::invalid_argument("step: " + std::to_string(n) + " slots but " +
+                                std::to_string(tokens.size()) + " tokens, " +
+                                std::to_string(sampled.size()) + " sampled entries and " +
+                                std::to_string(logits.size()) + " logits (need 0 or " +
+                                std::to_string(n * V) + ")");
+  }
+  submit(slots, tokens, logits);
+  if (!slots.empty()) collect_step(sampled);
+}
+
+void CudaEngine::submit_step(std::span<const int32_t> slots, std::span<const int32_t> tokens) {
+  submit(slots, tokens, {});
+}
+
+void CudaEngine::submit(std::span<const int32_t> slots, std::span<const int32_t> tokens,
+                        std::span<float> logits) {
+  check_usable("submit_step");
+  const size_t n = slots.size();
+  if (tokens.size() != n) {
+    throw std::invalid_argument("submit_step: " + std::to_string(n) + " slots but " +
+                                std::to_string(tokens.size()) + " tokens");
+  }
+  if (n == 0) return;
+  if (n > static_cast<size_t>(max_slots_)) {
+    throw std::invalid_argument("step: " + std::to_string(n) + " slots, more than max_slots " +
+                                std::to_string(max_slots_));
+  }
+  // This step's place in the queue's ring picks its host-side table, parameters, ids and
+  // graph (which reads that place's device table).
+  const int q = queue_position_for_submit();
+  ++step_serial_;
+  for (size_t i = 0; i < n; ++i) {
+    const int slot = slots[i];
+    if (slot < 0 || slot >= max_slots_) {
+      throw std::invalid_argument(slot_context("step", slot) + " is out of range [0, " +
+                                  std::to_string(max_slots_) + ")");
+    }
+    if (seen_in_step_[slot] == step_serial_) {
+      throw std::invalid_argument(slot_context("step", slot) + " is listed twice");
+    }
+    seen_in_step_[slot] = step_serial_;
+    const int32_t t = tokens[i];
+    if (t == kContinueToken) {
+      if (!has_sample_[slot]) {
+        throw std::invalid_argument(slot_context("step", slot) +
+                                    ": kContinueToken but the slot has no sampled token yet");
+      }
+    } else if (t < 0 || t >= config_.vocab_size) {
+      throw std::invalid_argument(slot_context("step", slot) + ": token " + std::to_string(t) +
+                                  " is outside [0, " + std::to_string(config_.vocab_size) + ")");
+    }
+  }
+
+  // Validated: from here on a failure may leave part of the step on the device.
+  or_unusable([&] { enqueue_step(slots, tokens, logits, q); });
+}
+
+void CudaEngine::enqueue_step(std::span<const int32_t> slots, std::span<const int32_t> tokens,
+                              std::span<float> logits, int q) {
+  const size_t n = slots.size();
+  const size_t V = static_cast<size_t>(config_.padded_vocab());
+  const StepGraph& g = graph_for_batch(static_cast<int>(n), q);
+  const int B = max_bucket_;
+  auto* th = table_host_.as<int32_t>() + q * table_ints();
+  for (size_t i = 0; i < n; ++i) {
+    th[i] = slots[i];
+    th[B + i] = tokens[i];
+    th[2 * B + i] = static_cast<int32_t>(steps_since_reset_[slots[i]] & 1);
+  }
+  for (int i = static_cast<int>(n); i < g.plan.batch; ++i) { th[i] = scratch_slot_; th[B + i] = 0; th[2 * B + i] = 0; }
+  if (params_dirty_) {
+    auto* ph = params_host_.as<kernels::SlotSampling>() + q * params_.size();
+    std::copy(params_.begin(), params_.end(), ph);
+    M3_CUDA_CHECK(cudaMemcpyAsync(params_dev_.get(), ph, params_dev_.bytes(), cudaMemcpyHostToDevice, stream_));
+    params_dirty_ = false;
+  }
+  // Table q's last reader is the step collected before this one took position q, so the
+  // copy may run at once, beside the step now on the device.
+  M3_CUDA_CHECK(cudaMemcpyAsync(table_.as<int32_t>() + q * table_ints(), th, sizeof(int32_t) * table_ints(),
+                                cudaMemcpyHostToDevice, table_stream_));
+  M3_CUDA_CHECK(cudaEventRecord(table_ready_[q], table_stream_));
+  M3_CUDA_CHECK(cudaStreamWaitEvent(stream_, table_ready_[q], 0));
+  launcher_->run(g, use_graphs_);
+  if (!logits.empty()) {
+    M3_CUDA_CHECK(cudaMemcpyAsync(logits.data(), logits_.get(), sizeof(float) * n * V,
+                                  cudaMemcpyDeviceToHost, stream_));
+  }
+  M3_CUDA_CHECK(cudaEventRecord(step_done_[q], stream_));
+  // Bookkeeping for the steps after this one: the device has the slot's sample by then.
+  for (size_t i = 0; i < n; ++i) {
+    has_sample_[slots[i]] = 1;
+    ++steps_since_reset_[slots[i]];
+  }
+  queue_push(n);
+  ++stats_.steps;
+  if (use_graphs_) ++stats_.graph_replays;
+  stats_.tokens += n;
+}
+
+void CudaEngine::collect_step(std::span<int32_t> sampled) {
+  check_usable("collect_step");
+  const int q = queue_position_for_collect(sampled);
+  or_unusable([&] { M3_CUDA_CHECK(cudaEventSynchronize(step_done_[q])); });
+  const int32_t* sh = sampled_host_.as<int32_t>() + static_cast<size_t>(q) * max_bucket_;
+  std::copy(sh, sh + sampled.size(), sampled.begin());
+  queue_pop();
+}
+
+}  // namespace cuda
+}  // namespace m3
