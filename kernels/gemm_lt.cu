@@ -21,7 +21,7 @@ void check_lt(cublasStatus_t status, const char* what, const std::string& contex
 
 std::string describe(const LtGemmShape& s) {
   return "gemm " + std::to_string(s.out_features) + "x" + std::to_string(s.in_features) + ", up to " +
-         std::to_string(s.max_rows) + " rows, " + (s.type == WeightType::BF16 ? "bf16" : "fp32") +
+         std::to_string(s.max_rows) + " rows, " + (s.type == WeightDType::BF16 ? "bf16" : "fp32") +
          (s.accumulate ? ", accumulating" : "");
 }
 
@@ -82,7 +82,7 @@ LtGemm::LtGemm(const LtContext& context, const LtGemmShape& s) : plan_(std::make
   p.shape = s;
   p.handle = static_cast<cublasLtHandle_t>(context.handle());
   p.workspace = context.workspace();
-  const cudaDataType_t wt = s.type == WeightType::BF16 ? CUDA_R_16BF : CUDA_R_32F;
+  const cudaDataType_t wt = s.type == WeightDType::BF16 ? CUDA_R_16BF : CUDA_R_32F;
   check_lt(cublasLtMatmulDescCreate(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F), "MatmulDescCreate", what);
   // Column-major view: y^T [out, rows] = W^T^T [in, out]^T . x^T [in, rows].
   const cublasOperation_t trans = CUBLAS_OP_T, no_trans = CUBLAS_OP_N;

@@ -15,7 +15,7 @@
 #include <cstddef>
 #include <memory>
 
-#include "kernels/embedding.cuh"  // WeightType
+#include "kernels/weight_dtype.h"
 
 namespace m3::kernels {
 
@@ -42,7 +42,7 @@ class LtContext {
 struct LtGemmShape {
   int out_features = 0, in_features = 0;
   int max_rows = 0;  // the largest `rows` run() takes
-  WeightType type = WeightType::BF16;
+  WeightDType type = WeightDType::BF16;
   int x_stride = 0;  // elements; a multiple of 8 (16-byte rows)
   int y_stride = 0;  // a multiple of 4 (16-byte rows)
   bool accumulate = false;

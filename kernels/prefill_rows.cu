@@ -70,10 +70,10 @@ void last_rows_of_runs(const float* x, int x_stride, const int32_t* token_begin,
   M3_CUDA_CHECK(cudaGetLastError());
 }
 
-void gather_rows(const void* table, WeightType table_type, int vocab_rows, int cols, const int32_t* ids, int rows,
+void gather_rows(const void* table, WeightDType table_type, int vocab_rows, int cols, const int32_t* ids, int rows,
                  float* out, int out_stride, cudaStream_t stream) {
   if (rows <= 0) return;
-  if (table_type == WeightType::BF16) {
+  if (table_type == WeightDType::BF16) {
     gather_rows_kernel<<<rows, kThreads, 0, stream>>>(static_cast<const __nv_bfloat16*>(table), vocab_rows, cols, ids,
                                                       out, out_stride);
   } else {
@@ -84,9 +84,9 @@ void gather_rows(const void* table, WeightType table_type, int vocab_rows, int c
 }
 
 void rmsnorm_rows(const float* x, int x_stride, const float* weight, int cols, float eps, void* out,
-                  WeightType out_type, int out_stride, int rows, cudaStream_t stream) {
+                  WeightDType out_type, int out_stride, int rows, cudaStream_t stream) {
   if (rows <= 0) return;
-  if (out_type == WeightType::BF16) {
+  if (out_type == WeightDType::BF16) {
     rmsnorm_rows_kernel<<<rows, kThreads, 0, stream>>>(x, x_stride, weight, cols, eps,
                                                        static_cast<__nv_bfloat16*>(out), out_stride);
   } else {
@@ -96,10 +96,10 @@ void rmsnorm_rows(const float* x, int x_stride, const float* weight, int cols, f
   M3_CUDA_CHECK(cudaGetLastError());
 }
 
-void gated_silu_rows(const float* in, int in_stride, int F, void* out, WeightType out_type, int out_stride, int rows,
+void gated_silu_rows(const float* in, int in_stride, int F, void* out, WeightDType out_type, int out_stride, int rows,
                      cudaStream_t stream) {
   if (rows <= 0) return;
-  if (out_type == WeightType::BF16) {
+  if (out_type == WeightDType::BF16) {
     gated_silu_rows_kernel<<<rows, kThreads, 0, stream>>>(in, in_stride, F, static_cast<__nv_bfloat16*>(out),
                                                           out_stride);
   } else {
@@ -120,7 +120,7 @@ size_t round256(size_t v) { return (v + 255) & ~size_t{255}; }
 size_t lay_out(const PrefillRowSizes& s, char* base, PrefillRowBuffers* out) {
   PrefillRowBuffers b;
   b.rows = lt_gemm_padded_rows(s.max_tokens);
-  const size_t act = s.act == WeightType::BF16 ? 2 : 4;
+  const size_t act = s.act == WeightDType::BF16 ? 2 : 4;
   b.res_stride = round8(s.d_model);
   b.u_stride = round8(s.d_model);
   b.w_stride = round8(s.in_proj_rows);

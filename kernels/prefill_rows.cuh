@@ -10,20 +10,20 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "kernels/embedding.cuh"  // WeightType, also the element type of row outputs
+#include "kernels/weight_dtype.h"  // also the element type of row outputs
 
 namespace m3::kernels {
 
 // out[t, :] = table[ids[t], :] (fp32), ids clamped into [0, vocab_rows).
-void gather_rows(const void* table, WeightType table_type, int vocab_rows, int cols, const int32_t* ids, int rows,
+void gather_rows(const void* table, WeightDType table_type, int vocab_rows, int cols, const int32_t* ids, int rows,
                  float* out, int out_stride, cudaStream_t stream);
 
 // out[t, :] = x[t, :] / sqrt(mean(x[t, :]^2) + eps) * weight, written as out_type.
 void rmsnorm_rows(const float* x, int x_stride, const float* weight, int cols, float eps, void* out,
-                  WeightType out_type, int out_stride, int rows, cudaStream_t stream);
+                  WeightDType out_type, int out_stride, int rows, cudaStream_t stream);
 
 // out[t, i] = in[t, i] * silu(in[t, F + i]) for i < F (fc1's output [a | g]), written as out_type.
-void gated_silu_rows(const float* in, int in_stride, int F, void* out, WeightType out_type, int out_stride, int rows,
+void gated_silu_rows(const float* in, int in_stride, int F, void* out, WeightDType out_type, int out_stride, int rows,
                      cudaStream_t stream);
 
 // out[i, :] = x[token_begin[i + 1] - 1, :] (fp32) for i < runs: each run's last token row,
@@ -38,7 +38,7 @@ void last_rows_of_runs(const float* x, int x_stride, const int32_t* token_begin,
 // mixer output o (d_inner) and the MLP activation (mlp_width); the rest is fp32.
 struct PrefillRowSizes {
   int d_model = 0, in_proj_rows = 0, d_inner = 0, mlp_width = 0;  // mlp_width 0: no MLP
-  WeightType act = WeightType::BF16;
+  WeightDType act = WeightDType::BF16;
   int max_tokens = 0;
 };
 struct PrefillRowBuffers {

@@ -14,11 +14,10 @@
 namespace m3 {
 namespace {
 
-using kernels::WeightType;
 using testing::DeviceArray;
 
-std::vector<float> download_as_float(const DeviceArray<float>& f, const DeviceArray<uint16_t>& b, WeightType t) {
-  if (t == WeightType::F32) return f.download();
+std::vector<float> download_as_float(const DeviceArray<float>& f, const DeviceArray<uint16_t>& b, WeightDType t) {
+  if (t == WeightDType::F32) return f.download();
   const std::vector<uint16_t> bits = b.download();
   std::vector<float> out(bits.size());
   for (size_t i = 0; i < bits.size(); ++i) out[i] = bf16_to_f32(bits[i]);
@@ -28,7 +27,7 @@ std::vector<float> download_as_float(const DeviceArray<float>& f, const DeviceAr
 TEST(PrefillRows, GatherCopiesTheRowsOfTheIdsClamped) {
   M3_REQUIRE_CUDA_DEVICE();
   const int V = 37, cols = 72, rows = 9, stride = cols + 5;
-  for (WeightType t : {WeightType::F32, WeightType::BF16}) {
+  for (WeightDType t : {WeightDType::F32, WeightDType::BF16}) {
     const std::vector<float> table = testing::round_bf16(testing::random_floats(V * cols, 1));
     DeviceArray<float> t32(table);
     DeviceArray<uint16_t> t16(testing::to_bf16(table));
@@ -36,7 +35,7 @@ TEST(PrefillRows, GatherCopiesTheRowsOfTheIdsClamped) {
     DeviceArray<int32_t> dids(ids);
     DeviceArray<float> out(static_cast<size_t>(rows) * stride);
     out.poison();
-    kernels::gather_rows(t == WeightType::F32 ? static_cast<const void*>(t32.get()) : t16.get(), t, V, cols,
+    kernels::gather_rows(t == WeightDType::F32 ? static_cast<const void*>(t32.get()) : t16.get(), t, V, cols,
                          dids.get(), rows, out.get(), stride, nullptr);
     const std::vector<float> got = out.download();
     for (int r = 0; r < rows; ++r) {
@@ -53,14 +52,14 @@ TEST(PrefillRows, RmsNormAndGatedSiluMatchTheirTwins) {
   const std::vector<float> wgt = testing::random_floats(cols, 3, 0.5f, 1.5f);
   const std::vector<float> fc1 = testing::random_floats(static_cast<size_t>(rows) * in_stride, 4, -4.f, 4.f);
   DeviceArray<float> dx(x), dw(wgt), dfc1(fc1);
-  for (WeightType t : {WeightType::F32, WeightType::BF16}) {
-    SCOPED_TRACE(t == WeightType::F32 ? "fp32 out" : "bf16 out");
-    const double tol = t == WeightType::F32 ? 1e-6 : 4e-3;
+  for (WeightDType t : {WeightDType::F32, WeightDType::BF16}) {
+    SCOPED_TRACE(t == WeightDType::F32 ? "fp32 out" : "bf16 out");
+    const double tol = t == WeightDType::F32 ? 1e-6 : 4e-3;
     DeviceArray<float> o32(static_cast<size_t>(rows) * out_stride);
     DeviceArray<uint16_t> o16(static_cast<size_t>(rows) * out_stride);
     o32.poison();
     o16.poison();
-    void* out = t == WeightType::F32 ? static_cast<void*>(o32.get()) : static_cast<void*>(o16.get());
+    void* out = t == WeightDType::F32 ? static_cast<void*>(o32.get()) : static_cast<void*>(o16.get());
     kernels::rmsnorm_rows(dx.get(), x_stride, dw.get(), cols, 1e-5f, out, t, out_stride, rows, nullptr);
     std::vector<float> got = download_as_float(o32, o16, t);
     std::vector<double> expect, got_d;
@@ -110,7 +109,7 @@ TEST(PrefillRows, LastRowsOfRunsPacksEachRunsLastToken) {
 // No device needed: the layout only does arithmetic on the base address.
 TEST(PrefillRowBuffers, DisjointAlignedAndSizedForThePaddedRows) {
   for (int mlp : {0, 1152}) {
-    const kernels::PrefillRowSizes sizes{896, 4724, 1792, mlp, WeightType::BF16, 2000};
+    const kernels::PrefillRowSizes sizes{896, 4724, 1792, mlp, WeightDType::BF16, 2000};
     const size_t bytes = kernels::prefill_row_buffer_bytes(sizes);
     void* fake = reinterpret_cast<void*>(uintptr_t{1} << 20);  // an aligned address, never dereferenced
     const auto b = kernels::prefill_row_buffers(sizes, fake);
@@ -163,17 +162,17 @@ TEST(PrefillGemm, MatchesTheTwinAtEveryRowBucket) {
   const std::vector<float> Y0 = testing::random_floats(static_cast<size_t>(padded) * y_stride, 7);
   DeviceArray<float> w32(W), x32(X);
   DeviceArray<uint16_t> w16(testing::to_bf16(W)), x16(testing::to_bf16(X));
-  for (WeightType t : {WeightType::F32, WeightType::BF16}) {
+  for (WeightDType t : {WeightDType::F32, WeightDType::BF16}) {
     for (bool accumulate : {false, true}) {
       kernels::LtGemmShape shape{out_f, in_f, max_rows, t, x_stride, y_stride, accumulate};
       const kernels::LtGemm gemm(ctx, shape);
       for (int rows : {1, 16, 17, 130, 1024, 1100}) {
-        SCOPED_TRACE(std::string(t == WeightType::F32 ? "fp32" : "bf16") + (accumulate ? " accumulate" : " store") +
+        SCOPED_TRACE(std::string(t == WeightDType::F32 ? "fp32" : "bf16") + (accumulate ? " accumulate" : " store") +
                      " rows " + std::to_string(rows));
         DeviceArray<float> y(Y0);
         if (!accumulate) y.poison();
-        gemm.run(t == WeightType::F32 ? static_cast<const void*>(w32.get()) : w16.get(),
-                 t == WeightType::F32 ? static_cast<const void*>(x32.get()) : x16.get(), y.get(), rows, nullptr);
+        gemm.run(t == WeightDType::F32 ? static_cast<const void*>(w32.get()) : w16.get(),
+                 t == WeightDType::F32 ? static_cast<const void*>(x32.get()) : x16.get(), y.get(), rows, nullptr);
         M3_CUDA_CHECK(cudaDeviceSynchronize());
         const std::vector<float> got = y.download();
         std::vector<float> g;
