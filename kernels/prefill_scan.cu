@@ -363,11 +363,13 @@ __global__ void __launch_bounds__(kStateThreads) prefill_state_pass_kernel(const
   // The slot's previous token enters at the run's first step with weight (1-trap)*dt there.
   const float nb = a.ws.tok_bterm[(int64_t)t0 * H + h];
   const float xp = st[prm.layout.x_prev + h * P + p];
+  // Scalar loads: k_prev sits after the [2][H][S] angles, 16-byte aligned only when H * S
+  // is even, which the shapes prefill_scan_shape_refusal accepts do not guarantee.
   const float* kp = st + prm.layout.k_prev + (int64_t)parity * H * R * N + (int64_t)h * R * N + n;
   for (int r = 0; r < R; ++r) {
     const float coef = nb * (xp * a.mimo_x[((int64_t)h * R + r) * P + p]);
-    const float4 k = *reinterpret_cast<const float4*>(kp + r * N);
-    s.x = fmaf(coef, k.x, s.x); s.y = fmaf(coef, k.y, s.y); s.z = fmaf(coef, k.z, s.z); s.w = fmaf(coef, k.w, s.w);
+    const float* k = kp + r * N;
+    s.x = fmaf(coef, k[0], s.x); s.y = fmaf(coef, k[1], s.y); s.z = fmaf(coef, k[2], s.z); s.w = fmaf(coef, k[3], s.w);
   }
   const int c0 = a.runs.chunk_begin[run], c1 = a.runs.chunk_begin[run + 1];
   Op* state_in = static_cast<Op*>(a.ws.chunk_state_in);

@@ -243,6 +243,8 @@ std::vector<GpuCase> cases() {
     out.push_back({dims(2, 32, 48, 1, 1.0, false), prec});
     out.push_back({dims(1, 16, 32, 8, 0.5, false), prec});
     out.push_back({dims(2, 16, 16, 1, 1.0, false, false), prec});
+    // Three angles on one head: k_prev then starts 8 bytes past a 16-byte boundary.
+    out.push_back({dims(1, 16, 32, 2, 0.1875, false), prec});
   }
   return out;
 }
