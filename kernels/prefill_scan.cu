@@ -1,6 +1,7 @@
 #include "kernels/prefill_scan.cuh"
 
 #include <algorithm>
+#include <cstdint>
 #include <stdexcept>
 #include <string>
 
@@ -692,6 +693,12 @@ void prepare_prefill_scan(const PrefillScanDims& d) {
 void launch_prefill_scan(const PrefillScanArgs& a, cudaStream_t stream) {
   if (a.runs.n_tokens <= 0 || a.runs.n_runs <= 0) return;
   const PrefillScanDims& d = a.dims;
+  // The state pass moves ssm rows in float4: every slot's layer must start 16-byte aligned.
+  if (reinterpret_cast<uintptr_t>(a.state) % 16 != 0 || a.slot_stride % 4 != 0 || a.layer_offset % 4 != 0) {
+    throw std::invalid_argument("prefill scan: state, slot_stride (" + std::to_string(a.slot_stride) +
+                                ") and layer_offset (" + std::to_string(a.layer_offset) +
+                                ") must keep each layer's state 16-byte aligned (floats a multiple of 4)");
+  }
   const ScanParams prm{a, mimo_state_layout(d.heads, d.headdim, d.d_state, d.rank, d.n_angles)};
   prefill_token_params_kernel<<<a.runs.n_tokens, kParamThreads, 0, stream>>>(prm);
   M3_CUDA_CHECK(cudaGetLastError());

@@ -143,7 +143,8 @@ struct PrefillScanArgs {
   const float* mimo_z = nullptr;    // [H, R, P]
   const float* mimo_o = nullptr;    // [H, R, P]
   const float* out_norm = nullptr;  // [H*P] or nullptr (is_outproj_norm off)
-  // State: slot s, this layer at state + s * slot_stride + layer_offset (MimoStateLayout).
+  // State: slot s, this layer at state + s * slot_stride + layer_offset (MimoStateLayout);
+  // state 16-byte aligned, slot_stride and layer_offset multiples of 4 (launch checks).
   float* state = nullptr;
   int64_t slot_stride = 0;
   int64_t layer_offset = 0;

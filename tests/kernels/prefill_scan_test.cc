@@ -274,6 +274,21 @@ TEST(PrefillScanHost, RefusesShapesTheKernelsCannotRun) {
   EXPECT_FALSE(kernels::prefill_scan_shape_refusal(PrefillScanDims{28, 64, 128, 4, 32, ScanPrecision::Bf16TensorCores}));
 }
 
+// No device needed: the check comes before any launch.
+TEST(PrefillScanHost, RefusesAStateLayoutItCannotMoveInFloat4) {
+  kernels::PrefillScanArgs a;
+  a.dims = kernels::PrefillScanDims{2, 64, 128, 4, 32, ScanPrecision::Bf16TensorCores};
+  a.state = reinterpret_cast<float*>(uintptr_t{1} << 20);  // aligned, never dereferenced
+  a.slot_stride = 1024;
+  a.layer_offset = 6;
+  a.runs.n_runs = 1;
+  a.runs.n_tokens = 1;
+  a.runs.n_chunks = 1;
+  EXPECT_NE(test::error_of<std::invalid_argument>([&] { kernels::launch_prefill_scan(a, nullptr); })
+                .find("layer_offset (6)"),
+            std::string::npos);
+}
+
 TEST(PrefillScanHost, RunTableCountsChunksAndRefusesEmptyRuns) {
   std::vector<int32_t> tb(4), cb(4);
   EXPECT_EQ(kernels::fill_prefill_runs(std::vector<int32_t>{1, 32, 33}, 32, tb.data(), cb.data()), 1 + 1 + 2);
