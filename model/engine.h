@@ -48,6 +48,15 @@ struct EngineOptions {
   // is, on others not); the last bits then vary. The CPU engine is always deterministic.
   bool deterministic = false;
   CudaPolicy cuda;  // CUDA: how the decode step is built (model/cuda_policy.h)
+  // Most prompt tokens one prefill() call takes (all its runs together); engines size
+  // their prefill buffers for it at load.
+  int max_prefill_tokens = 2048;
+};
+
+// One slot's share of a prefill() call: the tokens to feed it, in order.
+struct PrefillRun {
+  int32_t slot;
+  std::span<const int32_t> tokens;  // at least one; ids < vocab_size (no kContinueToken)
 };
 
 struct EngineStats {
@@ -91,6 +100,20 @@ class Engine {
   virtual void collect_step(std::span<int32_t> sampled);
   int queued_steps() const { return queued_count_; }
 
+  // Feeds each run's tokens to its slot, leaving the slot exactly as tokens.size() step()s
+  // would: recurrent state, angles, k_prev, x_prev, the next step's input (the sample after
+  // the last token; step() with kContinueToken feeds it) and the random-draw counter.
+  // sampled[i]: that sample for runs[i]. logits, when not empty: runs.size() rows of
+  // padded_vocab() floats, the last token's. Throws std::invalid_argument on bad slots,
+  // tokens, or a total over max_prefill_tokens(). Like step(), it is called with no step
+  // queued (std::logic_error otherwise): the scheduler collects its queued step, prefills,
+  // then submits the next decode step, so every iteration still steps the running streams.
+  // This default feeds the tokens through step(), all runs side by side, one position at a
+  // time; an engine with a faster path overrides it.
+  virtual void prefill(std::span<const PrefillRun> runs, std::span<int32_t> sampled,
+                       std::span<float> logits = {});
+  virtual int max_prefill_tokens() const { return max_prefill_tokens_; }  // per call, fixed at load
+
   virtual EngineStats stats() const = 0;
 
   // Choices the engine made at load that operators may want to see (the CUDA engine: the
@@ -111,8 +134,19 @@ class Engine {
   void queue_push(size_t slots);
   int queue_position_for_collect(std::span<int32_t> sampled) const;
   void queue_pop();
+  // Checks prefill()'s arguments as its contract says (throws as it does); returns the
+  // tokens of all runs together.
+  size_t validate_prefill(std::span<const PrefillRun> runs, std::span<int32_t> sampled,
+                          std::span<float> logits);
 
  private:
+  friend std::unique_ptr<Engine> make_engine(std::string_view, const ModelWeights&,
+                                             const EngineOptions&);
+  int max_prefill_tokens_ = EngineOptions{}.max_prefill_tokens;  // set by make_engine
+  std::vector<int32_t> prefill_slots_, prefill_tokens_, prefill_samples_;  // the default's
+  std::vector<float> prefill_logits_;
+  std::vector<char> prefill_seen_;
+
   int queued_head_ = 0, queued_count_ = 0;
   size_t queued_slots_[kMaxQueuedSteps] = {};              // slot count, per queued step
   std::vector<int32_t> queued_samples_[kMaxQueuedSteps];  // the default's samples, per queued step

@@ -45,8 +45,10 @@ bool cuda_backend_available() {
 #endif
 }
 
-std::unique_ptr<Engine> make_engine(std::string_view backend, const ModelWeights& weights,
-                                    const EngineOptions& options) {
+namespace {
+
+std::unique_ptr<Engine> make_backend(std::string_view backend, const ModelWeights& weights,
+                                     const EngineOptions& options) {
   if (backend == "cpu") return make_cpu_engine(weights, options);
   if (backend == "cuda" || backend == "auto") {
 #if defined(M3_WITH_CUDA)
@@ -65,6 +67,19 @@ std::unique_ptr<Engine> make_engine(std::string_view backend, const ModelWeights
   }
   throw std::invalid_argument("make_engine: unknown backend \"" + std::string(backend) +
                               "\" (expected cpu, cuda or auto)");
+}
+
+}  // namespace
+
+std::unique_ptr<Engine> make_engine(std::string_view backend, const ModelWeights& weights,
+                                    const EngineOptions& options) {
+  if (options.max_prefill_tokens < 1) {
+    throw std::invalid_argument("make_engine: max_prefill_tokens must be >= 1, got " +
+                                std::to_string(options.max_prefill_tokens));
+  }
+  std::unique_ptr<Engine> engine = make_backend(backend, weights, options);
+  engine->max_prefill_tokens_ = options.max_prefill_tokens;  // the default prefill's limit
+  return engine;
 }
 
 }  // namespace m3

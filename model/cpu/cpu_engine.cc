@@ -58,13 +58,29 @@ class CpuEngine final : public Engine {
   void step(std::span<const int32_t> slots, std::span<const int32_t> tokens,
             std::span<int32_t> sampled, std::span<float> logits) override;
   EngineStats stats() const override;
+  void prefill(std::span<const PrefillRun> runs, std::span<int32_t> sampled,
+               std::span<float> logits) override;
+  int max_prefill_tokens() const override { return max_prefill_tokens_; }
+  CpuSlotSnapshot snapshot(int slot) const;
 
  private:
+  // A stretch of one run's tokens inside a prefill window: rows [row, row + count).
+  struct PrefillSegment {
+    int slot, row, count;
+    int run;       // index in prefill()'s runs
+    bool last;     // ends its run
+  };
   void check_slot(int slot, const char* op) const;
   void validate_step(std::span<const int32_t> slots, std::span<const int32_t> tokens,
                      std::span<int32_t> sampled, std::span<float> logits);
   void run_layer(int layer, int batch, std::span<const int32_t> slots);
   cpu::MixerState slot_state(int slot, int layer);
+  // One layer over the `rows` tokens of the current prefill window (prefill_segments_).
+  void prefill_layer(int layer, int rows);
+  // res += hidden; out = rmsnorm(res) * weight, for `rows` rows of width d_model.
+  void add_and_norm(int rows, const std::vector<float>& weight, float* out);
+  // y[t, out] = W x[t] for t < tokens, rows split over the pool.
+  void matmul(const std::vector<float>& W, int in, int out, const float* x, int tokens, float* y);
   // y[b, rows] = W x[b] for b < batch, rows split over the pool.
   void matvec(const std::vector<float>& W, int in, int out, const float* x, int batch, float* y);
 
@@ -96,6 +112,12 @@ class CpuEngine final : public Engine {
   std::vector<int32_t> inputs_;
   std::vector<uint64_t> seen_stamp_;  // duplicate-slot check without clearing
   uint64_t stamp_ = 0;
+
+  // Prefill: at most max_prefill_tokens_ a call, read prefill_window_ tokens at a time
+  // through every layer (the activation buffers above hold that many rows).
+  int max_prefill_tokens_ = 0, prefill_window_ = 0;
+  std::vector<PrefillSegment> prefill_segments_;
+  std::vector<float> prefill_last_;  // [run] the final-normed last token
 
   std::atomic<uint64_t> steps_{0}, tokens_{0};
   CpuThreadPool pool_;
@@ -203,15 +225,25 @@ CpuEngine::CpuEngine(const ModelWeights& weights, const EngineOptions& options)
   last_sampled_.assign(slots, -1);
   params_.assign(slots, SamplingParams{});
 
-  res_.resize(slots * d_model_);
-  normed_.resize(slots * d_model_);
-  hidden_.resize(slots * d_model_);
-  in_out_.resize(slots * static_cast<size_t>(in_rows_));
-  B_normed_.resize(slots * static_cast<size_t>(R * N));
-  C_normed_.resize(slots * static_cast<size_t>(R * N));
-  mixer_out_.resize(slots * static_cast<size_t>(d_inner_));
-  fc1_out_.resize(slots * static_cast<size_t>(2 * F_));
-  mlp_act_.resize(slots * static_cast<size_t>(F_));
+  if (options.max_prefill_tokens < 1) {
+    throw std::invalid_argument("cpu engine: max_prefill_tokens must be >= 1, got " +
+                                std::to_string(options.max_prefill_tokens));
+  }
+  max_prefill_tokens_ = options.max_prefill_tokens;
+  // A window of 256 tokens keeps the matrix products efficient and the buffers small.
+  prefill_window_ = std::min(max_prefill_tokens_, 256);
+  prefill_segments_.reserve(slots);
+  prefill_last_.resize(slots * d_model_);
+  const size_t rows = std::max(slots, static_cast<size_t>(prefill_window_));
+  res_.resize(rows * d_model_);
+  normed_.resize(rows * d_model_);
+  hidden_.resize(rows * d_model_);
+  in_out_.resize(rows * static_cast<size_t>(in_rows_));
+  B_normed_.resize(rows * static_cast<size_t>(R * N));
+  C_normed_.resize(rows * static_cast<size_t>(R * N));
+  mixer_out_.resize(rows * static_cast<size_t>(d_inner_));
+  fc1_out_.resize(rows * static_cast<size_t>(2 * F_));
+  mlp_act_.resize(rows * static_cast<size_t>(F_));
   logits_.resize(slots * static_cast<size_t>(V_));
   head_scratch_floats_ = cpu::mixer_head_scratch_floats(dims_);
   head_scratch_.resize(static_cast<size_t>(pool_.threads()) * head_scratch_floats_);
@@ -412,10 +444,175 @@ void CpuEngine::step(std::span<const int32_t> slots, std::span<const int32_t> to
   tokens_.fetch_add(static_cast<uint64_t>(batch), std::memory_order_relaxed);
 }
 
+CpuSlotSnapshot CpuEngine::snapshot(int slot) const {
+  check_slot(slot, "cpu_slot_snapshot");
+  const int64_t per_slot = config_.n_layer * state_per_layer_;
+  CpuSlotSnapshot out;
+  out.state.assign(state_.begin() + slot * per_slot, state_.begin() + (slot + 1) * per_slot);
+  out.counter = counter_[static_cast<size_t>(slot)];
+  out.next_input = last_sampled_[static_cast<size_t>(slot)];
+  return out;
+}
+
+void CpuEngine::matmul(const std::vector<float>& W, int in, int out, const float* x, int tokens,
+                       float* y) {
+  const float* w = W.data();
+  pool_.run(out, [=](int64_t begin, int64_t end, int) {
+    cpu::matmul_rows(w, in, out, static_cast<int>(begin), static_cast<int>(end), x, tokens, y);
+  });
+}
+
+void CpuEngine::add_and_norm(int rows, const std::vector<float>& weight, float* out) {
+  const int d = d_model_;
+  pool_.run(rows, [&](int64_t begin, int64_t end, int) {
+    for (int64_t r = begin; r < end; ++r) {
+      float* res = res_.data() + r * d;
+      const float* h = hidden_.data() + r * d;
+      for (int i = 0; i < d; ++i) res[i] += h[i];
+      cpu::rmsnorm(res, weight.data(), d, ModelConfig::kNormEps, out + r * d);
+    }
+  });
+}
+
+// The arithmetic of run_layer() row by row, with the projections as matrix products and
+// each head's recurrence stepped through its segment's tokens in order.
+void CpuEngine::prefill_layer(int layer, int rows) {
+  const LayerWeights& l = layers_[static_cast<size_t>(layer)];
+  const float eps = ModelConfig::kNormEps;
+  const int RN = dims_.R * dims_.N;
+
+  add_and_norm(rows, l.norm, normed_.data());
+  matmul(l.in_proj, d_model_, in_rows_, normed_.data(), rows, in_out_.data());
+  pool_.run(rows, [&](int64_t begin, int64_t end, int) {
+    for (int64_t b = begin; b < end; ++b) {
+      const float* w = in_out_.data() + b * in_rows_;
+      for (int r = 0; r < dims_.R; ++r) {
+        cpu::rmsnorm(w + bc_offset_B_ + r * dims_.N, l.B_norm.data(), dims_.N, eps,
+                     B_normed_.data() + b * RN + r * dims_.N);
+        cpu::rmsnorm(w + bc_offset_C_ + r * dims_.N, l.C_norm.data(), dims_.N, eps,
+                     C_normed_.data() + b * RN + r * dims_.N);
+      }
+    }
+  });
+
+  const cpu::MixerParams params{l.dt_bias.data(), l.D.data(),      l.B_bias.data(),
+                                l.C_bias.data(),  l.mimo_x.data(), l.mimo_z.data(),
+                                l.mimo_o.data(),  dims_.outproj_norm ? l.out_norm.data() : nullptr};
+  const int H = dims_.H;
+  const int64_t items = static_cast<int64_t>(prefill_segments_.size()) * H;
+  pool_.run(items, [&](int64_t begin, int64_t end, int share) {
+    float* scratch = head_scratch_.data() + int64_t{share} * head_scratch_floats_;
+    for (int64_t item = begin; item < end; ++item) {
+      const PrefillSegment& seg = prefill_segments_[static_cast<size_t>(item / H)];
+      const int h = static_cast<int>(item % H);
+      cpu::MixerState state = slot_state(seg.slot, layer);
+      for (int64_t b = seg.row; b < seg.row + seg.count; ++b) {
+        cpu::mixer_head_step(dims_, params, in_offsets_, in_out_.data() + b * in_rows_,
+                             B_normed_.data() + b * RN, C_normed_.data() + b * RN, h, state,
+                             scratch, mixer_out_.data() + b * d_inner_);
+      }
+    }
+  });
+  matmul(l.out_proj, d_inner_, d_model_, mixer_out_.data(), rows, hidden_.data());
+
+  if (F_ > 0) {
+    add_and_norm(rows, l.norm2, normed_.data());
+    matmul(l.fc1, d_model_, 2 * F_, normed_.data(), rows, fc1_out_.data());
+    pool_.run(rows, [&](int64_t begin, int64_t end, int) {
+      for (int64_t b = begin; b < end; ++b) {
+        cpu::gated_silu(fc1_out_.data() + b * 2 * F_, F_, mlp_act_.data() + b * F_);
+      }
+    });
+    matmul(l.fc2, F_, d_model_, mlp_act_.data(), rows, hidden_.data());
+  }
+}
+
+void CpuEngine::prefill(std::span<const PrefillRun> runs, std::span<int32_t> sampled,
+                        std::span<float> logits) {
+  const size_t total = validate_prefill(runs, sampled, logits);
+  if (runs.empty()) return;
+  const int d = d_model_;
+
+  // The runs' tokens one after another, through every layer a window at a time: a run cut
+  // by a window's end goes on in the next from the state the first left.
+  size_t run = 0, pos = 0;
+  while (run < runs.size()) {
+    prefill_segments_.clear();
+    int rows = 0;
+    while (run < runs.size() && rows < prefill_window_) {
+      const std::span<const int32_t> tokens = runs[run].tokens;
+      const int count = static_cast<int>(std::min(tokens.size() - pos,
+                                                  static_cast<size_t>(prefill_window_ - rows)));
+      const bool last = pos + count == tokens.size();
+      prefill_segments_.push_back({runs[run].slot, rows, count, static_cast<int>(run), last});
+      for (int k = 0; k < count; ++k) {
+        const int64_t r = rows + k;
+        std::fill_n(res_.begin() + r * d, d, 0.0f);
+        std::copy_n(embedding_.begin() + int64_t{tokens[pos + k]} * d, d, hidden_.begin() + r * d);
+      }
+      rows += count;
+      pos += count;
+      if (last) {
+        ++run;
+        pos = 0;
+      }
+    }
+    for (int layer = 0; layer < config_.n_layer; ++layer) prefill_layer(layer, rows);
+    for (const PrefillSegment& seg : prefill_segments_) {
+      if (!seg.last) continue;
+      const int64_t r = seg.row + seg.count - 1;
+      float* res = res_.data() + r * d;
+      const float* h = hidden_.data() + r * d;
+      for (int i = 0; i < d; ++i) res[i] += h[i];
+      cpu::rmsnorm(res, norm_f_.data(), d, ModelConfig::kNormEps,
+                   prefill_last_.data() + int64_t{seg.run} * d);
+    }
+  }
+
+  // lm_head and the sample for each run's last token, as its step would: that step's
+  // draw is the slot's counter plus the tokens before it.
+  const int batch = static_cast<int>(runs.size());
+  const float* head = lm_head_;
+  float* out = logits_.data();
+  const float* x = prefill_last_.data();
+  const int V = V_;
+  pool_.run(V, [=](int64_t begin, int64_t end, int) {
+    cpu::matvec_rows(head, d, V, static_cast<int>(begin), static_cast<int>(end), x, batch, out);
+  });
+  pool_.run(batch, [&](int64_t begin, int64_t end, int) {
+    for (int64_t b = begin; b < end; ++b) {
+      const PrefillRun& r = runs[static_cast<size_t>(b)];
+      const size_t slot = static_cast<size_t>(r.slot);
+      const std::span<const float> row(logits_.data() + b * V_, static_cast<size_t>(V_));
+      sampled[static_cast<size_t>(b)] =
+          sample_token(row, config_.vocab_size, params_[slot], counter_[slot] + r.tokens.size() - 1,
+                       sampling_scratch_[static_cast<size_t>(b)]);
+    }
+  });
+  for (int b = 0; b < batch; ++b) {
+    const PrefillRun& r = runs[static_cast<size_t>(b)];
+    last_sampled_[static_cast<size_t>(r.slot)] = sampled[static_cast<size_t>(b)];
+    counter_[static_cast<size_t>(r.slot)] += r.tokens.size();
+  }
+  if (!logits.empty()) {
+    std::memcpy(logits.data(), logits_.data(), sizeof(float) * static_cast<size_t>(batch) * V_);
+  }
+  tokens_.fetch_add(total, std::memory_order_relaxed);
+}
+
 }  // namespace
 
 std::unique_ptr<Engine> make_cpu_engine(const ModelWeights& weights, const EngineOptions& options) {
   return std::make_unique<CpuEngine>(weights, options);
+}
+
+CpuSlotSnapshot cpu_slot_snapshot(const Engine& engine, int slot) {
+  const auto* cpu = dynamic_cast<const CpuEngine*>(&engine);
+  if (cpu == nullptr) {
+    throw std::invalid_argument("cpu_slot_snapshot: the engine is \"" + std::string(engine.backend()) +
+                                "\", not the CPU engine");
+  }
+  return cpu->snapshot(slot);
 }
 
 }  // namespace m3

@@ -98,7 +98,86 @@ MatvecFn pick_matvec() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx2") ? matvec_rows_avx2 : matvec_rows_generic;
 }
+
+// NR weight rows against NB input vectors: each of the NR x NB dot products summed exactly
+// as dot_rows sums it (lane i % 8, the same final combine), with each loaded value reused
+// NB or NR times.
+template <int NR, int NB>
+[[gnu::always_inline]] inline void dot_tile(const float* w, int64_t w_stride, const float* x,
+                                            int64_t x_stride, int n, float* y, int64_t y_stride) {
+  float acc[NR][NB][8] = {};
+  int i = 0;
+  for (; i + 8 <= n; i += 8) {
+    for (int r = 0; r < NR; ++r) {
+      for (int b = 0; b < NB; ++b) {
+        for (int k = 0; k < 8; ++k) acc[r][b][k] += w[r * w_stride + i + k] * x[b * x_stride + i + k];
+      }
+    }
+  }
+  for (; i < n; ++i) {
+    for (int r = 0; r < NR; ++r) {
+      for (int b = 0; b < NB; ++b) acc[r][b][i & 7] += w[r * w_stride + i] * x[b * x_stride + i];
+    }
+  }
+  for (int r = 0; r < NR; ++r) {
+    for (int b = 0; b < NB; ++b) {
+      const float* a = acc[r][b];
+      y[b * y_stride + r] = ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
+    }
+  }
+}
+
+[[gnu::always_inline]] inline void matmul_rows_body(const float* W, int in, int out_rows,
+                                                    int row_begin, int row_end, const float* x,
+                                                    int tokens, float* y) {
+  // About 128 KiB of inputs per block: they stay in L2 while every row passes over them.
+  const int block = std::max(4, (32768 / std::max(in, 1)) / 4 * 4);
+  for (int t0 = 0; t0 < tokens; t0 += block) {
+    const int t1 = std::min(tokens, t0 + block);
+    int j = row_begin;
+    for (; j + 2 <= row_end; j += 2) {
+      const float* row = W + static_cast<int64_t>(j) * in;
+      int t = t0;
+      for (; t + 4 <= t1; t += 4) {
+        dot_tile<2, 4>(row, in, x + static_cast<int64_t>(t) * in, in, in,
+                       y + static_cast<int64_t>(t) * out_rows + j, out_rows);
+      }
+      for (; t < t1; ++t) {
+        dot_tile<2, 1>(row, in, x + static_cast<int64_t>(t) * in, in, in,
+                       y + static_cast<int64_t>(t) * out_rows + j, out_rows);
+      }
+    }
+    for (; j < row_end; ++j) {
+      const float* row = W + static_cast<int64_t>(j) * in;
+      for (int t = t0; t < t1; ++t) {
+        dot_tile<1, 1>(row, in, x + static_cast<int64_t>(t) * in, in, in,
+                       y + static_cast<int64_t>(t) * out_rows + j, out_rows);
+      }
+    }
+  }
+}
+
+[[gnu::target("avx2")]] void matmul_rows_avx2(const float* W, int in, int out_rows, int row_begin,
+                                              int row_end, const float* x, int tokens, float* y) {
+  matmul_rows_body(W, in, out_rows, row_begin, row_end, x, tokens, y);
+}
+
+void matmul_rows_generic(const float* W, int in, int out_rows, int row_begin, int row_end,
+                         const float* x, int tokens, float* y) {
+  matmul_rows_body(W, in, out_rows, row_begin, row_end, x, tokens, y);
+}
+
+MatvecFn pick_matmul() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") ? matmul_rows_avx2 : matmul_rows_generic;
+}
 }  // namespace
+
+void matmul_rows(const float* W, int in, int out_rows, int row_begin, int row_end,
+                 const float* x, int tokens, float* y) {
+  static const MatvecFn matmul = pick_matmul();
+  matmul(W, in, out_rows, row_begin, row_end, x, tokens, y);
+}
 
 void matvec_rows(const float* W, int in, int out_rows, int row_begin, int row_end,
                  const float* x, int batch, float* y) {

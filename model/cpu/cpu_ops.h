@@ -19,6 +19,13 @@ float dot(const float* a, const float* b, int n);
 void matvec_rows(const float* W, int in, int out_rows, int row_begin, int row_end,
                  const float* x, int batch, float* y);
 
+// The same products for many input vectors at once (a prompt's tokens): y[t * out_rows + j]
+// = W[j, :] . x[t * in, :) for rows j in [row_begin, row_end) and t < tokens, blocked so
+// that a block of inputs stays in cache while the rows stream past. Every element is
+// summed exactly as dot() sums it, so it equals what matvec_rows gives token by token.
+void matmul_rows(const float* W, int in, int out_rows, int row_begin, int row_end,
+                 const float* x, int tokens, float* y);
+
 // out[i] = a[i] * silu(g[i]) with a = fc1_out[0:F), g = fc1_out[F:2F).
 void gated_silu(const float* fc1_out, int F, float* out);
 
