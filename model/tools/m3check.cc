@@ -1,5 +1,5 @@
 // m3check MODEL_DIR TRAJECTORY [--backend cpu|cuda|auto] [--dtype fp32|bf16] [--one-at-a-time]
-//         [--cuda-... VALUE ...]
+//         [--prefill] [--cuda-... VALUE ...]
 //
 // The --cuda-... flags set the CUDA engine's policy (model/cuda_policy.h) as m3serve's do,
 // so a variant of the step can be checked against the trajectory.
@@ -7,12 +7,16 @@
 // Replays a decode trajectory (teacher forcing: every input is the trajectory's token) on
 // an engine and compares each step's logits with the reference. The sequences decode side
 // by side (one batch of B), or with --one-at-a-time each alone (the engine's batch-1 plan,
-// which on the CUDA backend runs other kernels):
+// which on the CUDA backend runs other kernels). With --prefill each sequence's prompt is
+// read by one Engine::prefill() call (all sequences' prompts in one call) and only the
+// rest is teacher-forced step by step; the logits compared then start at the prompt's
+// last token (step Lp-1):
 //   err(b, t) = max|logits - ref| / max|ref|, reported as the max over all steps;
 //   greedy_match: for t >= Lp-1 the engine's greedy sample equals greedy_ids[b, t+1].
 // Prints one line "max_rel_err=<x> greedy_match=<yes|no>" on stdout (detail on stderr).
 //
-// Tolerance: fp32 arithmetic 1e-4 (either backend); bf16 weights 3e-2, whether the CUDA
+// Tolerance: fp32 arithmetic 1e-4 (either backend; 1e-3 for the CUDA backend with
+// --prefill); bf16 weights 3e-2, whether the CUDA
 // engine rounds them (--dtype bf16) or the model stores them in 16 bits (BF16 or F16: the
 // CPU engine widens them exactly, but they are already rounded). With fp32 a greedy
 // mismatch fails. With bf16 weights a mismatch is tolerated only at a near tie: where
@@ -54,16 +58,18 @@ struct Options {
   m3::WeightDType dtype = m3::WeightDType::F32;
   bool one_at_a_time = false;
   m3::CudaPolicy cuda;
+  bool prefill = false;  // read the prompts through Engine::prefill()
   bool help = false;  // print the usage to stdout and exit 0
 };
 
 std::string usage() {
   return "usage: m3check MODEL_DIR TRAJECTORY [--backend cpu|cuda|auto] [--dtype fp32|bf16] [--one-at-a-time]\n"
-         "               [--cuda-... VALUE ...]\n"
+         "               [--prefill] [--cuda-... VALUE ...]\n"
          "  TRAJECTORY: safetensors with prompt_ids I64 [B,Lp], logits F32 [B,Lp+Ln-1,V],\n"
          "  greedy_ids I64 [B,Lp+Ln]. --one-at-a-time: each sequence decodes alone (batch 1)\n"
-         "  instead of all B side by side. Exit: 0 ok, 1 outside tolerance, 2 usage, 3 bad input,\n"
-         "  4 --backend cuda with no CUDA device visible (nothing checked).\n"
+         "  instead of all B side by side. --prefill: the prompts are read by prefill(), the logits\n"
+         "  compared from the prompt's last token on. Exit: 0 ok, 1 outside tolerance, 2 usage,\n"
+         "  3 bad input, 4 --backend cuda with no CUDA device visible (nothing checked).\n"
          "the CUDA engine's policy (configs/server.yaml's cuda: section), as m3serve takes it:\n" +
          m3::cuda_policy_flags_help();
 }
@@ -89,6 +95,8 @@ Options parse_args(int argc, char** argv) {
       }
     } else if (arg == "--one-at-a-time") {
       o.one_at_a_time = true;
+    } else if (arg == "--prefill") {
+      o.prefill = true;
     } else if (arg.rfind("--cuda-", 0) == 0) {
       try {
         if (!m3::set_cuda_policy_flag(o.cuda, arg, value())) throw UsageError("unknown option " + arg);
@@ -201,8 +209,10 @@ struct Result {
   bool mismatch_outside_tie = false;
 };
 
-// Replays the sequences `seqs` side by side (sequence b in slot b), folding into `res`.
-void replay_batch(m3::Engine& engine, const Trajectory& tr, const std::vector<int32_t>& seqs, Result& res) {
+// Replays the sequences `seqs` side by side (sequence b in slot b), folding into `res`;
+// with `prefill` the prompts go through one prefill() call.
+void replay_batch(m3::Engine& engine, const Trajectory& tr, const std::vector<int32_t>& seqs,
+                  bool prefill, Result& res) {
   const int n = static_cast<int>(seqs.size()), T = tr.T, V = tr.V;
   std::vector<int32_t> tokens(seqs.size()), sampled(seqs.size());
   std::vector<float> logits(static_cast<size_t>(n) * V);
@@ -210,11 +220,26 @@ void replay_batch(m3::Engine& engine, const Trajectory& tr, const std::vector<in
     engine.reset(b);
     engine.set_sampling(b, m3::SamplingParams{});  // greedy
   }
-  for (int t = 0; t < T; ++t) {
-    for (int i = 0; i < n; ++i) {
-      tokens[static_cast<size_t>(i)] = static_cast<int32_t>(tr.greedy_ids[static_cast<size_t>(seqs[i]) * (T + 1) + t]);
+  int first_step = 0;
+  std::vector<std::vector<int32_t>> prompts;
+  std::vector<m3::PrefillRun> runs;
+  if (prefill) {
+    for (const int32_t b : seqs) {
+      const int64_t* ids = tr.greedy_ids.data() + static_cast<size_t>(b) * (T + 1);
+      prompts.emplace_back(ids, ids + tr.Lp);
     }
-    engine.step(seqs, tokens, sampled, logits);
+    for (int i = 0; i < n; ++i) runs.push_back({seqs[static_cast<size_t>(i)], prompts[static_cast<size_t>(i)]});
+    first_step = tr.Lp - 1;  // prefill() gives that step's logits and sample
+  }
+  for (int t = first_step; t < T; ++t) {
+    if (prefill && t == first_step) {
+      engine.prefill(runs, sampled, logits);
+    } else {
+      for (int i = 0; i < n; ++i) {
+        tokens[static_cast<size_t>(i)] = static_cast<int32_t>(tr.greedy_ids[static_cast<size_t>(seqs[i]) * (T + 1) + t]);
+      }
+      engine.step(seqs, tokens, sampled, logits);
+    }
     for (int i = 0; i < n; ++i) {
       const int b = seqs[static_cast<size_t>(i)];
       const float* ours = logits.data() + static_cast<size_t>(i) * V;
@@ -249,14 +274,14 @@ void replay_batch(m3::Engine& engine, const Trajectory& tr, const std::vector<in
   }
 }
 
-Result replay(m3::Engine& engine, const Trajectory& tr, bool one_at_a_time) {
+Result replay(m3::Engine& engine, const Trajectory& tr, bool one_at_a_time, bool prefill) {
   Result res;
   std::vector<int32_t> all(static_cast<size_t>(tr.B));
   for (int b = 0; b < tr.B; ++b) all[static_cast<size_t>(b)] = b;
   if (!one_at_a_time) {
-    replay_batch(engine, tr, all, res);
+    replay_batch(engine, tr, all, prefill, res);
   } else {
-    for (const int32_t b : all) replay_batch(engine, tr, {b}, res);
+    for (const int32_t b : all) replay_batch(engine, tr, {b}, prefill, res);
   }
   return res;
 }
@@ -303,6 +328,7 @@ int main(int argc, char** argv) {
     eo.max_slots = tr.B;
     eo.weight_dtype = opt.dtype;
     eo.cuda = opt.cuda;
+    eo.max_prefill_tokens = std::max(eo.max_prefill_tokens, tr.B * tr.Lp);  // all prompts in one call
     engine = m3::make_engine(opt.backend, weights, eo);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "m3check: %s\n", e.what());
@@ -312,24 +338,25 @@ int main(int argc, char** argv) {
   // The CPU engine always computes with fp32 weights, whatever --dtype says.
   const bool cuda = engine->backend() == "cuda";
   const bool bf16 = (cuda && opt.dtype == m3::WeightDType::BF16) || stored_16bit;
-  const double tolerance = bf16 ? 3e-2 : 1e-4;
+  // A chunked prefill on the GPU sums in another order than the step: fp32 within 1e-3.
+  const double tolerance = bf16 ? 3e-2 : (cuda && opt.prefill ? 1e-3 : 1e-4);
   if (!cuda && opt.dtype == m3::WeightDType::BF16) {
     std::fprintf(stderr, "m3check: the cpu backend computes in fp32; --dtype bf16 ignored\n");
   }
 
   Result res;
   try {
-    res = replay(*engine, tr, opt.one_at_a_time);
+    res = replay(*engine, tr, opt.one_at_a_time, opt.prefill);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "m3check: %s\n", e.what());
     return kExitInput;
   }
   std::fprintf(stderr,
-               "m3check: backend %s, weights %s, %d sequences x %d steps%s, tolerance %.0e, "
+               "m3check: backend %s, weights %s, %d sequences x %d steps%s%s, tolerance %.0e, "
                "worst step %d of sequence %d\n",
                std::string(engine->backend()).c_str(), stored_16bit ? "stored in 16 bits" : bf16 ? "bf16" : "fp32",
-               tr.B, tr.T,
-               opt.one_at_a_time ? " (one at a time)" : "", tolerance, res.worst_step, res.worst_sequence);
+               tr.B, tr.T, opt.one_at_a_time ? " (one at a time)" : "",
+               opt.prefill ? " (prompts through prefill)" : "", tolerance, res.worst_step, res.worst_sequence);
   std::printf("max_rel_err=%.3e greedy_match=%s\n", res.max_rel_err, res.greedy_match ? "yes" : "no");
   std::fflush(stdout);
   const bool greedy_ok = res.greedy_match || (bf16 && !res.mismatch_outside_tie);

@@ -64,12 +64,12 @@ bool parse_line(const std::string& out, double* err, bool* greedy) {
   return true;
 }
 
-void expect_golden_passes(const fs::path& case_dir) {
+void expect_golden_passes(const fs::path& case_dir, const std::string& extra = "") {
   if (!fs::exists(case_dir / "trajectory.safetensors")) {
     GTEST_SKIP() << "golden case " << case_dir << " not found (set M3_GOLDEN_DIR)";
   }
   const ToolRun r = run_m3check(quoted(case_dir) + " " + quoted(case_dir / "trajectory.safetensors") +
-                            " --backend cpu");
+                            " --backend cpu" + extra);
   double err = -1;
   bool greedy = false;
   ASSERT_TRUE(parse_line(r.out, &err, &greedy)) << "stdout: " << r.out << "\nstderr: " << r.err;
@@ -125,6 +125,21 @@ TEST(Golden, TinyStoredInBf16PassesAtTheBf16Tolerance) {
 
 TEST(Golden, SharedTiny) { expect_golden_passes(fs::path(M3_GOLDEN_DIR) / "tiny"); }
 TEST(Golden, SharedSmallNormMlp) { expect_golden_passes(fs::path(M3_GOLDEN_DIR) / "small_norm_mlp"); }
+// The prompts read by prefill(), the rest teacher-forced: the same tolerance and greedy ids.
+TEST(Golden, TinyCopyInTestDataThroughPrefill) {
+  expect_golden_passes(fs::path(M3_TEST_DATA_DIR) / "golden_tiny", " --prefill");
+}
+TEST(Golden, SharedTinyThroughPrefill) { expect_golden_passes(fs::path(M3_GOLDEN_DIR) / "tiny", " --prefill"); }
+TEST(Golden, SharedSmallNormMlpThroughPrefill) {
+  expect_golden_passes(fs::path(M3_GOLDEN_DIR) / "small_norm_mlp", " --prefill");
+}
+TEST(Golden, PrefillOneAtATimeSaysSo) {
+  const fs::path dir = fs::path(M3_TEST_DATA_DIR) / "golden_tiny";
+  const ToolRun r = run_m3check(quoted(dir) + " " + quoted(dir / "trajectory.safetensors") +
+                                " --backend cpu --prefill --one-at-a-time");
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.err.find("(one at a time) (prompts through prefill)"), std::string::npos) << r.err;
+}
 
 // A model directory with random weights and a trajectory of the golden format made by
 // the float64 decoder: B = 2, Lp = 3, Ln = 5.
@@ -191,6 +206,35 @@ TEST_F(OwnTrajectory, PassesOnAnUntiedPaddedModel) {
   EXPECT_EQ(r.exit_code, 0) << r.err;
   EXPECT_LE(err, 1e-5);
   EXPECT_TRUE(greedy);
+}
+
+TEST_F(OwnTrajectory, PassesThroughPrefill) {
+  const ToolRun r = check(dir_.path() / "trajectory.safetensors", "--prefill");
+  double err = -1;
+  bool greedy = false;
+  ASSERT_TRUE(parse_line(r.out, &err, &greedy)) << r.out << r.err;
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_LE(err, 1e-5);
+  EXPECT_TRUE(greedy);
+}
+
+TEST_F(OwnTrajectory, PrefillComparesFromThePromptsLastToken) {
+  // Step 1 is inside the prompt (Lp = 3): prefill() gives no logits there, so --prefill
+  // passes where the step path fails; step 2, the prompt's last token, fails both.
+  logits_[static_cast<size_t>(V_) * 1 + 10] += 0.01f;
+  write(dir_.path() / "inside.safetensors");
+  EXPECT_EQ(check(dir_.path() / "inside.safetensors").exit_code, 1);
+  EXPECT_EQ(check(dir_.path() / "inside.safetensors", "--prefill").exit_code, 0);
+  logits_[static_cast<size_t>(V_) * 1 + 10] -= 0.01f;
+  logits_[static_cast<size_t>(V_) * (7 + 2) + 10] += 0.01f;  // sequence 1, step 2
+  write(dir_.path() / "last.safetensors");
+  const ToolRun r = check(dir_.path() / "last.safetensors", "--prefill");
+  double err = -1;
+  bool greedy = false;
+  ASSERT_TRUE(parse_line(r.out, &err, &greedy)) << r.out << r.err;
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_GT(err, 1e-4);
+  EXPECT_NE(r.err.find("worst step 2 of sequence 1"), std::string::npos) << r.err;
 }
 
 TEST_F(OwnTrajectory, FailsWhenTheReferenceLogitsAreOff) {
