@@ -93,6 +93,15 @@ ServerMetrics::ServerMetrics(const std::string& bind_address)
                         .Help("CUDA graph launches of the decode step (0 on the CPU backend)")
                         .Register(registry)
                         .Add({});
+  prefill_tokens_ = &prometheus::BuildCounter()
+                         .Name("m3serve_prefill_tokens_total")
+                         .Help("Prompt and Converse input tokens read by prefill (in chunks between decode steps)")
+                         .Register(registry)
+                         .Add({});
+  prefill_duration_ = &add_histogram(registry, "m3serve_prefill_seconds",
+                                     "Duration of one prefill chunk (all the prompts read in one scheduler "
+                                     "iteration)",
+                                     token_buckets);
   auto& requests = prometheus::BuildCounter()
                        .Name("m3serve_requests_total")
                        .Help("Finished calls (Generate requests and Converse sessions) by final status")
@@ -169,6 +178,11 @@ void ServerMetrics::count_request(std::string_view final_status) {
     }
   }
   requests_by_status_[index]->Increment();
+}
+
+void ServerMetrics::observe_prefill(uint64_t tokens, double seconds) {
+  prefill_tokens_->Increment(static_cast<double>(tokens));
+  prefill_duration_->Observe(seconds);
 }
 
 void ServerMetrics::add_graph_replays(uint64_t n) {

@@ -43,6 +43,8 @@ class ServerMetrics {
   void add_tokens_generated(uint64_t n);
   void count_request(std::string_view final_status);
   void add_graph_replays(uint64_t n);
+  // Prompt tokens read by one Engine::prefill() call, and how long the call took.
+  void observe_prefill(uint64_t tokens, double seconds);
 
   void set_active_sequences(int n);
   void set_queue_depth(int n);
@@ -61,6 +63,8 @@ class ServerMetrics {
   prometheus::Histogram* request_duration_;
   prometheus::Counter* tokens_generated_;
   prometheus::Counter* graph_replays_;
+  prometheus::Counter* prefill_tokens_;
+  prometheus::Histogram* prefill_duration_;
   std::array<prometheus::Counter*, kRequestStatuses.size()> requests_by_status_;
   prometheus::Gauge* active_sequences_;
   prometheus::Gauge* queue_depth_;

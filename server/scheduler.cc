@@ -37,6 +37,10 @@ Scheduler::Scheduler(Engine& engine, SchedulerOptions options, ServerMetrics* me
     step.tokens.reserve(n);
     step.sampled.reserve(n);
   }
+  prefill_order_.reserve(n);
+  prefill_runs_.reserve(n);
+  prefill_sampled_.reserve(n);
+  prefill_entries_.entries.reserve(n);
   wake_list_.reserve(static_cast<size_t>(n + options.queue_capacity) + 16);
   admitted_.reserve(n);
   rejected_.reserve(static_cast<size_t>(options.queue_capacity) + 1);
@@ -431,6 +435,7 @@ void Scheduler::schedule(int i, SubmittedStep& step, Clock::time_point now) {
   int32_t token;
   SampleUse use;
   if (s.phase == Phase::kFeeding) {
+    if (options_.prefill_chunk_tokens > 0) return;  // read by prefill() instead
     token = s.feed[s.fed++];
     ++s.turn_prompt_tokens;
     use = SampleUse::kKeep;
@@ -536,6 +541,62 @@ void Scheduler::fail_step(SubmittedStep& step, const std::exception& e) {
   }
 }
 
+bool Scheduler::wants_prefill(const Slot& s) const {
+  return s.seq && s.phase == Phase::kFeeding && s.in_flight == 0 && s.fed < s.feed.size();
+}
+
+void Scheduler::prefill(SubmittedStep& step) {
+  prefill_order_.clear();
+  for (int i = 0; i < static_cast<int>(slots_.size()); ++i) {
+    if (wants_prefill(slots_[i])) prefill_order_.push_back(i);
+  }
+  // The oldest turn first, so that a burst of prompts reaches first tokens in arrival order.
+  std::sort(prefill_order_.begin(), prefill_order_.end(),
+            [&](int a, int b) { return slots_[a].turn_start < slots_[b].turn_start; });
+  prefill_runs_.clear();
+  prefill_entries_.clear();
+  size_t budget = static_cast<size_t>(options_.prefill_chunk_tokens), total = 0;
+  for (const int i : prefill_order_) {
+    if (budget == 0) break;
+    const Slot& s = slots_[i];
+    const size_t n = std::min(budget, s.feed.size() - s.fed);
+    prefill_runs_.push_back({i, std::span<const int32_t>(s.feed).subspan(s.fed, n)});
+    prefill_entries_.entries.push_back({i, s.generation, SampleUse::kKeep});
+    budget -= n;
+    total += n;
+  }
+  prefill_sampled_.resize(prefill_runs_.size());  // within the capacity reserved at construction
+  const Clock::time_point start = Clock::now();
+  try {
+    engine_.prefill(prefill_runs_, prefill_sampled_);
+  } catch (const std::exception& e) {
+    fail_step(prefill_entries_, e);
+    return;
+  }
+  const Clock::time_point now = Clock::now();
+  if (metrics_) metrics_->observe_prefill(total, seconds_between(start, now));
+  for (size_t k = 0; k < prefill_runs_.size(); ++k) {
+    const int i = prefill_runs_[k].slot;
+    Slot& s = slots_[i];
+    s.fed += prefill_runs_[k].tokens.size();
+    s.turn_prompt_tokens += static_cast<uint32_t>(prefill_runs_[k].tokens.size());
+    s.has_sample = true;
+    s.last_sample = prefill_sampled_[k];
+    if (s.fed < s.feed.size()) continue;  // the rest in the next iterations
+    if (s.reply_requested) {
+      // The input's last token was read: its sample is the reply's first token, and the
+      // reply goes on in this iteration's step.
+      s.phase = Phase::kReplying;
+      ++s.scheduled;
+      emit(i, s.last_sample, now);
+      if (s.seq && s.phase == Phase::kReplying) schedule(i, step, now);
+    } else {
+      become_idle(s, now);
+      s.seq->mark_input_changed();  // what arrived meanwhile (or the input's close) is seen next
+    }
+  }
+}
+
 std::string Scheduler::engine_unusable_message() const {
   return "the engine can run no more steps after a device error (" + engine_failure_ +
          "); the server must be restarted";
@@ -561,10 +622,22 @@ void Scheduler::run() {
       next_idle_deadline = std::min(next_idle_deadline, idle_deadline(slots_[i]));
       schedule(i, step, now);
     }
+    SubmittedStep& older = steps_[1 - newest_];
+    bool prefilled = false;
+    if (options_.prefill_chunk_tokens > 0 &&
+        std::any_of(slots_.begin(), slots_.end(), [&](const Slot& s) { return wants_prefill(s); })) {
+      // prefill() runs with no step queued: the queued step's samples first (this step,
+      // built already, is the one after it), then the chunk, then this step.
+      if (queued_) {
+        collect(older, step.size() > 0 ? &step : nullptr);
+        queued_ = false;
+      }
+      prefill(step);
+      prefilled = true;
+    }
     const bool submitted = step.size() > 0;
     if (submitted) submit(step);
-    SubmittedStep& older = steps_[1 - newest_];
-    const bool collected = queued_;
+    const bool collected = queued_ || prefilled;
     if (queued_) {
       collect(older, submitted ? &step : nullptr);
       queued_ = false;

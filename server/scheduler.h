@@ -23,6 +23,15 @@
 // turn's end in sight) sits N+1 out. A stream receives the same tokens as with steps one
 // at a time (SchedulerOptions::pipelined = false).
 //
+// Prompts are read through Engine::prefill() when prefill_chunk_tokens > 0 (chunked
+// prefill, as vLLM does it): each iteration reads up to that many input tokens of the
+// sequences that have input to feed (the oldest turn first), then submits the decode step
+// of the replying streams, so their tokens keep coming while a long prompt is read. A
+// Converse turn's input is read as it arrives, in the pieces it comes in. prefill() runs
+// with no step queued: such an iteration collects the queued step first (the next step is
+// built meanwhile, as in the pipelined order). A stream receives the same tokens as when
+// its prompt is fed one step per token.
+//
 // Per step the engine thread reads the clock twice (at the token boundary and when the
 // step is collected), touches only preallocated arrays and each stream's ring buffer,
 // and never logs or calls into gRPC.
@@ -59,6 +68,9 @@ struct SchedulerOptions {
   Clock::duration session_idle_timeout = Clock::duration::zero();
   // Submit each step before collecting the previous one (above); false: one at a time.
   bool pipelined = true;
+  // Input tokens read through Engine::prefill() per scheduler iteration (at most the
+  // engine's max_prefill_tokens()); 0: every input token is one decode step.
+  int prefill_chunk_tokens = 0;
   // Called once, on the engine thread, when a failed step leaves the engine unable to run
   // more (Engine::failure()); the server then reports NOT_SERVING. From then on requests
   // are refused with UNAVAILABLE.
@@ -149,6 +161,11 @@ class Scheduler {
   // Waits for `step`'s samples and hands them out; `next` is the step submitted after it.
   void collect(SubmittedStep& step, SubmittedStep* next);
   void fail_step(SubmittedStep& step, const std::exception& e);
+  // Whether a sequence has input to read through prefill now.
+  bool wants_prefill(const Slot& s) const;
+  // Reads up to prefill_chunk_tokens input tokens of the slots that want prefill; a slot
+  // whose input ends starts its reply (joining `step`) or waits for more.
+  void prefill(SubmittedStep& step);
   void admit_waiting(Clock::time_point now);
   void service_slot(int slot, Clock::time_point now);
   void pull_input(Slot& s);
@@ -178,6 +195,12 @@ class Scheduler {
   int newest_ = 0;       // index in steps_ of the step built next
   bool queued_ = false;  // steps_[1 - newest_] is submitted and not collected
   SubmittedStep* submitted_after_ = nullptr;  // while collecting: the step submitted after it
+  // prefill(): the slots in the order they are served, the runs and their samples; and
+  // the runs as a step's entries, for fail_step().
+  std::vector<int> prefill_order_;
+  std::vector<PrefillRun> prefill_runs_;
+  std::vector<int32_t> prefill_sampled_;
+  SubmittedStep prefill_entries_;
   std::vector<std::shared_ptr<Sequence>> wake_list_;  // writers to wake after this step
   std::vector<std::shared_ptr<Sequence>> admitted_, rejected_;
   uint64_t graph_replays_seen_ = 0;

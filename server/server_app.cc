@@ -58,6 +58,7 @@ ServerApp::ServerApp(const ServerConfig& config, std::shared_ptr<spdlog::logger>
   engine_options.use_graphs = config_.cuda_graphs;
   engine_options.deterministic = config_.deterministic;
   engine_options.cuda = config_.cuda;
+  if (config_.prefill_chunk_tokens > 0) engine_options.max_prefill_tokens = config_.prefill_chunk_tokens;
   engine_ = make_engine(config_.backend, *weights_, engine_options);
   const ModelConfig& mc = engine_->config();
   logger_->info("model {}: {} layers, d_model {}, vocab {}, {} parameters; backend {} with {} slots",
@@ -83,6 +84,7 @@ ServerApp::ServerApp(const ServerConfig& config, std::shared_ptr<spdlog::logger>
   SchedulerOptions scheduler_options;
   scheduler_options.queue_capacity = config_.queue_capacity;
   scheduler_options.pipelined = config_.pipelined_steps;
+  scheduler_options.prefill_chunk_tokens = config_.prefill_chunk_tokens;
   scheduler_options.session_idle_timeout = from_seconds(config_.session_idle_timeout_s);
   scheduler_options.on_engine_unusable = [this](const std::string&) { report_not_serving(); };
   stalled_streams_ = std::make_unique<StalledStreams>();

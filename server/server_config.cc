@@ -47,6 +47,9 @@ const std::vector<Setting>& settings() {
        "requests that may wait for a slot; beyond: RESOURCE_EXHAUSTED"},
       {"pipelined_steps", &ServerConfig::pipelined_steps,
        "submit each decode step before handing out the previous step's tokens (false: one at a time)"},
+      {"prefill_chunk_tokens", &ServerConfig::prefill_chunk_tokens,
+       "prompt and Converse input tokens read by prefill per scheduler iteration, between the "
+       "decode steps of the running streams; 0: one decode step per input token"},
       {"max_new_tokens_limit", &ServerConfig::max_new_tokens_limit,
        "largest max_new_tokens a request may ask"},
       {"max_prompt_tokens", &ServerConfig::max_prompt_tokens,
@@ -238,6 +241,8 @@ void ServerConfig::validate() const {
   check_int("cpu_threads", cpu_threads, 0, 1024);
   check_int("max_batch", max_batch, 1, 1024);
   check_int("queue_capacity", queue_capacity, 0, 1'000'000);
+  // (The engine sizes its prefill buffers for one chunk at load.)
+  check_int("prefill_chunk_tokens", prefill_chunk_tokens, 0, 65536);
   check_int("max_new_tokens_limit", max_new_tokens_limit, 1, 1 << 24);
   check_int("max_prompt_tokens", max_prompt_tokens, 1, 1 << 24);
   // (Every stream holds a ring of this many tokens, allocated when it starts.)

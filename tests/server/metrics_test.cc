@@ -167,7 +167,7 @@ TEST(ServerMetrics, TheGrafanaDashboardUsesTheExportedSeries) {
   for (std::sregex_iterator it(exposition.begin(), exposition.end(), type_line), end; it != end; ++it) {
     exported.insert((*it)[1]);
   }
-  EXPECT_EQ(exported.size(), 9u);
+  EXPECT_EQ(exported.size(), 11u);
 
   std::set<std::string> charted;
   const std::regex name("m3serve_[a-z_]+");

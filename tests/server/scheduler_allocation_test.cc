@@ -36,6 +36,12 @@ class QuietEngine final : public Engine {
     steps_.fetch_add(1, std::memory_order_relaxed);
   }
   EngineStats stats() const override { return {steps_.load(), 0, 0}; }
+  // The base class's prefill (it steps, on the marked thread), counted.
+  void prefill(std::span<const PrefillRun> runs, std::span<int32_t> sampled, std::span<float> logits) override {
+    Engine::prefill(runs, sampled, logits);
+    prefills.fetch_add(1, std::memory_order_relaxed);
+  }
+  std::atomic<uint64_t> prefills{0};
 
  private:
   ModelConfig config_;
@@ -92,6 +98,53 @@ TEST(SchedulerAllocation, TheEngineThreadAllocatesNothingPerToken) {
   scheduler.wake();
   for (int i = 0; i < 3000 && !(writers[0].closed && writers[1].closed); ++i) std::this_thread::sleep_for(1ms);
   EXPECT_TRUE(writers[0].closed && writers[1].closed);
+}
+
+// With chunked prefill: a session's input, arriving in pieces of 20 tokens, read in chunks
+// of 8 beside a decoding stream. (No turn ends: ending one allocates on either path.)
+TEST(SchedulerAllocation, TheEngineThreadAllocatesNothingPerPrefillChunk) {
+  QuietEngine engine(2);
+  SchedulerOptions options;
+  options.prefill_chunk_tokens = 8;
+  Scheduler scheduler(engine, options, nullptr, nullptr);
+  CountingWriter decoding, session;
+  SequenceParams params;
+  params.max_new_tokens = 1'000'000;
+  decoding.sequence = std::make_shared<Sequence>(params, 1 << 16, &decoding);
+  decoding.sequence->add_input(std::vector<int32_t>{1});
+  decoding.sequence->end_turn(params.max_new_tokens);
+  decoding.sequence->close_input();
+  ASSERT_EQ(scheduler.submit(decoding.sequence).status, StreamStatus::kOk);
+  SequenceParams session_params;
+  session_params.session = true;
+  session.sequence = std::make_shared<Sequence>(session_params, 1 << 16, &session);
+  ASSERT_EQ(scheduler.submit(session.sequence).status, StreamStatus::kOk);
+  for (int i = 0; i < 3000 && decoding.tokens < 10; ++i) std::this_thread::sleep_for(1ms);
+  const std::vector<int32_t> piece(20, 7);
+  const auto send_piece = [&] {
+    const uint64_t before = engine.prefills.load();
+    session.sequence->add_input(piece);
+    scheduler.wake();
+    for (int i = 0; i < 3000 && engine.prefills.load() < before + 3; ++i) std::this_thread::sleep_for(1ms);
+    return engine.prefills.load() >= before + 3;
+  };
+  for (int p = 0; p < 5; ++p) ASSERT_TRUE(send_piece());  // every buffer at its size
+  testing::count_only_marked_threads(true);
+  testing::start_counting_allocations();
+  const uint64_t prefills_before = engine.prefills.load();
+  bool read = true;
+  for (int p = 0; p < 40 && read; ++p) read = send_piece();
+  const long allocations = testing::stop_counting_allocations();
+  testing::count_only_marked_threads(false);
+  EXPECT_TRUE(read);
+  EXPECT_GE(engine.prefills.load() - prefills_before, 3u * 40);
+  EXPECT_EQ(allocations, 0) << "over " << engine.prefills.load() - prefills_before << " prefill chunks";
+
+  decoding.sequence->request_cancel(StreamStatus::kCancelled, "done");
+  session.sequence->request_cancel(StreamStatus::kCancelled, "done");
+  scheduler.wake();
+  for (int i = 0; i < 3000 && !(decoding.closed && session.closed); ++i) std::this_thread::sleep_for(1ms);
+  EXPECT_TRUE(decoding.closed && session.closed);
 }
 
 }  // namespace

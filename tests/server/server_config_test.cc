@@ -123,6 +123,17 @@ TEST(ServerConfigTest, OutOfRangeValuesAreRefused) {
             "tokenizer: '/nonexistent/tok.model' is not a file");
 }
 
+TEST(ServerConfigTest, PrefillChunkTokens) {
+  EXPECT_EQ(ServerConfig{}.prefill_chunk_tokens, 512);
+  EXPECT_EQ(load_server_config_file(M3_TEST_SERVER_YAML).prefill_chunk_tokens, 512);  // documented there
+  EXPECT_EQ(from_yaml("prefill_chunk_tokens: 0\n").prefill_chunk_tokens, 0);  // one step per token
+  EXPECT_EQ(parse_command_line({"--prefill-chunk-tokens", "64"}, "").config.prefill_chunk_tokens, 64);
+  EXPECT_EQ(error_of([] { from_yaml("prefill_chunk_tokens: -1\n"); }),
+            "prefill_chunk_tokens must be between 0 and 65536, got -1");
+  EXPECT_EQ(error_of([] { parse_command_line({"--prefill-chunk-tokens", "65537"}, ""); }),
+            "prefill_chunk_tokens must be between 0 and 65536, got 65537");
+}
+
 TEST(ServerConfigTest, FlagsOverrideTheFile) {
   const auto path = std::filesystem::temp_directory_path() / "m3serve-config-test.yaml";
   std::ofstream(path) << "max_batch: 3\nbackend: cpu\nlisten: 127.0.0.1:1\ndeterministic: true\n";
