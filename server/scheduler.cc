@@ -555,7 +555,8 @@ void Scheduler::prefill(SubmittedStep& step) {
             [&](int a, int b) { return slots_[a].turn_start < slots_[b].turn_start; });
   prefill_runs_.clear();
   prefill_entries_.clear();
-  size_t budget = static_cast<size_t>(options_.prefill_chunk_tokens), total = 0;
+  size_t budget = static_cast<size_t>(std::min(options_.prefill_chunk_tokens, engine_.max_prefill_tokens()));
+  size_t total = 0;
   for (const int i : prefill_order_) {
     if (budget == 0) break;
     const Slot& s = slots_[i];

@@ -68,8 +68,8 @@ struct SchedulerOptions {
   Clock::duration session_idle_timeout = Clock::duration::zero();
   // Submit each step before collecting the previous one (above); false: one at a time.
   bool pipelined = true;
-  // Input tokens read through Engine::prefill() per scheduler iteration (at most the
-  // engine's max_prefill_tokens()); 0: every input token is one decode step.
+  // Input tokens read through Engine::prefill() per scheduler iteration (the engine's
+  // max_prefill_tokens() where that is less); 0: every input token is one decode step.
   int prefill_chunk_tokens = 0;
   // Called once, on the engine thread, when a failed step leaves the engine unable to run
   // more (Engine::failure()); the server then reports NOT_SERVING. From then on requests
