@@ -27,6 +27,8 @@ struct GpuCase {
   WeightDType dtype;
 };
 
+void PrintTo(const GpuCase& c, std::ostream* os) { *os << c.name; }
+
 class CudaPrefill : public ::testing::TestWithParam<GpuCase> {
  protected:
   void SetUp() override {

@@ -84,6 +84,8 @@ struct Variant {
   int d_intermediate;
 };
 
+void PrintTo(const Variant& v, std::ostream* os) { *os << v.name; }
+
 class CpuPrefillVariant : public ::testing::TestWithParam<Variant> {};
 
 TEST_P(CpuPrefillVariant, EqualsStepByStepForEveryFeature) {
