@@ -113,6 +113,10 @@ class Engine {
   virtual void prefill(std::span<const PrefillRun> runs, std::span<int32_t> sampled,
                        std::span<float> logits = {});
   virtual int max_prefill_tokens() const { return max_prefill_tokens_; }  // per call, fixed at load
+  // Whether this engine reads a run faster than stepping it (it overrides prefill()). The
+  // scheduler feeds prompts through decode steps, beside the decoding streams, where it
+  // does not: the default above would hold those streams for a whole chunk of steps.
+  virtual bool has_prefill_path() const { return false; }
 
   virtual EngineStats stats() const = 0;
 

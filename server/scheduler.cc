@@ -26,7 +26,9 @@ Scheduler::Scheduler(Engine& engine, SchedulerOptions options, ServerMetrics* me
       options_(options),
       metrics_(metrics),
       log_(log ? std::move(log) : spdlog::default_logger()),
-      flusher_(static_cast<size_t>(engine.max_slots() + options.queue_capacity) + 16) {
+      flusher_(static_cast<size_t>(engine.max_slots() + options.queue_capacity) + 16),
+      prefill_chunk_(engine.has_prefill_path() ? std::min(options.prefill_chunk_tokens, engine.max_prefill_tokens())
+                                               : 0) {
   const int n = engine.max_slots();
   slots_.resize(n);
   for (auto& s : slots_) s.feed.reserve(512);
@@ -435,7 +437,7 @@ void Scheduler::schedule(int i, SubmittedStep& step, Clock::time_point now) {
   int32_t token;
   SampleUse use;
   if (s.phase == Phase::kFeeding) {
-    if (options_.prefill_chunk_tokens > 0) return;  // read by prefill() instead
+    if (prefill_chunk_ > 0) return;  // read by prefill() instead
     token = s.feed[s.fed++];
     ++s.turn_prompt_tokens;
     use = SampleUse::kKeep;
@@ -555,7 +557,7 @@ void Scheduler::prefill(SubmittedStep& step) {
             [&](int a, int b) { return slots_[a].turn_start < slots_[b].turn_start; });
   prefill_runs_.clear();
   prefill_entries_.clear();
-  size_t budget = static_cast<size_t>(std::min(options_.prefill_chunk_tokens, engine_.max_prefill_tokens()));
+  size_t budget = static_cast<size_t>(prefill_chunk_);
   size_t total = 0;
   for (const int i : prefill_order_) {
     if (budget == 0) break;
@@ -625,7 +627,7 @@ void Scheduler::run() {
     }
     SubmittedStep& older = steps_[1 - newest_];
     bool prefilled = false;
-    if (options_.prefill_chunk_tokens > 0 &&
+    if (prefill_chunk_ > 0 &&
         std::any_of(slots_.begin(), slots_.end(), [&](const Slot& s) { return wants_prefill(s); })) {
       // prefill() runs with no step queued: the queued step's samples first (this step,
       // built already, is the one after it), then the chunk, then this step.

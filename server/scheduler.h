@@ -23,8 +23,8 @@
 // turn's end in sight) sits N+1 out. A stream receives the same tokens as with steps one
 // at a time (SchedulerOptions::pipelined = false).
 //
-// Prompts are read through Engine::prefill() when prefill_chunk_tokens > 0 (chunked
-// prefill, as vLLM does it): each iteration reads up to that many input tokens of the
+// Prompts are read through Engine::prefill() when prefill_chunk_tokens > 0 and the engine
+// has a prefill path of its own (chunked prefill, as vLLM does it): each iteration reads up to that many input tokens of the
 // sequences that have input to feed (the oldest turn first), then submits the decode step
 // of the replying streams, so their tokens keep coming while a long prompt is read. A
 // Converse turn's input is read as it arrives, in the pieces it comes in. prefill() runs
@@ -69,7 +69,8 @@ struct SchedulerOptions {
   // Submit each step before collecting the previous one (above); false: one at a time.
   bool pipelined = true;
   // Input tokens read through Engine::prefill() per scheduler iteration (the engine's
-  // max_prefill_tokens() where that is less); 0: every input token is one decode step.
+  // max_prefill_tokens() where that is less); 0, or an engine without a prefill path of
+  // its own (Engine::has_prefill_path()): every input token is one decode step.
   int prefill_chunk_tokens = 0;
   // Called once, on the engine thread, when a failed step leaves the engine unable to run
   // more (Engine::failure()); the server then reports NOT_SERVING. From then on requests
@@ -195,6 +196,8 @@ class Scheduler {
   int newest_ = 0;       // index in steps_ of the step built next
   bool queued_ = false;  // steps_[1 - newest_] is submitted and not collected
   SubmittedStep* submitted_after_ = nullptr;  // while collecting: the step submitted after it
+  // Input tokens per iteration through prefill(); 0: through decode steps.
+  const int prefill_chunk_;
   // prefill(): the slots in the order they are served, the runs and their samples; and
   // the runs as a step's entries, for fail_step().
   std::vector<int> prefill_order_;

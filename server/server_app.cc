@@ -65,6 +65,10 @@ ServerApp::ServerApp(const ServerConfig& config, std::shared_ptr<spdlog::logger>
                 model_dir.string(), mc.n_layer, mc.d_model, mc.vocab_size, mc.parameter_count(),
                 engine_->backend(), engine_->max_slots());
   if (engine_->backend() == "cuda") logger_->info("cuda policy: {}", to_string(config_.cuda));
+  if (config_.prefill_chunk_tokens > 0 && !engine_->has_prefill_path()) {
+    logger_->info("prompts are read one decode step per token: the {} engine has no prefill path "
+                  "(prefill_chunk_tokens applies to engines that do)", engine_->backend());
+  }
   if (const std::string report = engine_->load_report(); !report.empty()) {
     logger_->info("engine step variants measured at load: {}", report);
   }

@@ -61,6 +61,7 @@ class CpuEngine final : public Engine {
   void prefill(std::span<const PrefillRun> runs, std::span<int32_t> sampled,
                std::span<float> logits) override;
   int max_prefill_tokens() const override { return max_prefill_tokens_; }
+  bool has_prefill_path() const override { return true; }
   CpuSlotSnapshot snapshot(int slot) const;
 
  private:

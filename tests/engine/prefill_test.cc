@@ -188,6 +188,8 @@ TEST(CpuPrefill, BaseClassDefaultEqualsStepByStep) {
     EXPECT_EQ(cpu_slot_snapshot(*stepped, i).counter, cpu_slot_snapshot(via_steps.inner(), i).counter);
   }
   EXPECT_EQ(via_steps.max_prefill_tokens(), EngineOptions{}.max_prefill_tokens);
+  EXPECT_FALSE(via_steps.has_prefill_path());
+  EXPECT_TRUE(stepped->has_prefill_path());
 }
 
 template <typename F>

@@ -36,6 +36,7 @@ class QuietEngine final : public Engine {
     steps_.fetch_add(1, std::memory_order_relaxed);
   }
   EngineStats stats() const override { return {steps_.load(), 0, 0}; }
+  bool has_prefill_path() const override { return true; }
   // The base class's prefill (it steps, on the marked thread), counted.
   void prefill(std::span<const PrefillRun> runs, std::span<int32_t> sampled, std::span<float> logits) override {
     Engine::prefill(runs, sampled, logits);

@@ -33,7 +33,10 @@ class RecordingEngine final : public Engine {
     std::vector<std::pair<int32_t, std::vector<int32_t>>> slots;  // slot, its tokens
   };
 
-  explicit RecordingEngine(int slots) : last_(slots, -1) { config_.vocab_size = 1000; }
+  explicit RecordingEngine(int slots, bool prefill_path = true) : last_(slots, -1), prefill_path_(prefill_path) {
+    config_.vocab_size = 1000;
+  }
+  bool has_prefill_path() const override { return prefill_path_; }
   std::string_view backend() const override { return "recording"; }
   const ModelConfig& config() const override { return config_; }
   int max_slots() const override { return static_cast<int>(last_.size()); }
@@ -116,6 +119,7 @@ class RecordingEngine final : public Engine {
   }
   ModelConfig config_;
   std::vector<int32_t> last_;
+  bool prefill_path_;
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::vector<Call> calls_;
@@ -210,6 +214,24 @@ TEST(SchedulerPrefillTest, APromptIsReadInChunksOfTheBudget) {
     }
     EXPECT_EQ(chunks, (std::vector<std::vector<int32_t>>{iota(100, 4), iota(104, 4), iota(108, 2)}));
   }
+}
+
+TEST(SchedulerPrefillTest, AnEngineWithoutAPrefillPathReadsPromptsByDecodeSteps) {
+  // Its prefill() would step a whole chunk while the decoding streams wait: prompt tokens
+  // ride in the decode steps instead.
+  RecordingEngine engine(1, /*prefill_path=*/false);
+  Scheduler scheduler(engine, chunked(4), nullptr, nullptr);
+  auto a = start(scheduler, iota(100, 10), 3);
+  EXPECT_EQ(a->wait_closed(), StreamStatus::kOk);
+  EXPECT_EQ(a->got(), (std::vector<int32_t>{110, 111, 112}));
+  std::vector<int32_t> fed;
+  for (const auto& call : engine.calls()) {
+    EXPECT_FALSE(call.prefill);
+    for (const auto& [slot, tokens] : call.slots) {
+      if (tokens[0] != kContinueToken) fed.push_back(tokens[0]);
+    }
+  }
+  EXPECT_EQ(fed, iota(100, 10));
 }
 
 TEST(SchedulerPrefillTest, DecodingGoesOnWhileALongPromptIsRead) {

@@ -101,9 +101,10 @@ TEST(GenerateStreamTest, ConcurrentStreamsShareEngineSteps) {
   // fewer steps than 4 * 1503 when they run together.
   const uint64_t steps = server.app->engine().stats().steps - steps_before;
   // (At least 1500 steps shared: a bound that holds however the four client threads are
-  // scheduled, short of one finishing before another starts.)
+  // scheduled, short of one finishing before another starts. The prompts are read by
+  // prefill, so a stream takes at least its 1499 continuations.)
   EXPECT_LT(steps, 4u * 1503u - 1500u) << "the streams did not share steps";
-  EXPECT_GE(steps, 1502u);
+  EXPECT_GE(steps, 1499u);
 }
 
 }  // namespace
