@@ -11,6 +11,7 @@
 #include <condition_variable>
 #include <filesystem>
 #include <map>
+#include <string>
 #include <mutex>
 #include <thread>
 
@@ -62,6 +63,11 @@ class RecordingEngine final : public Engine {
     call.prefill = true;
     call.queued = queued_steps();
     validate_prefill(runs, sampled, logits);
+    for (const PrefillRun& run : runs) {
+      for (const int32_t t : run.tokens) {
+        if (t == kFailToken) throw std::runtime_error("device lost");
+      }
+    }
     {
       std::unique_lock lock(mu_);
       held_entered_ |= held_;
@@ -76,6 +82,7 @@ class RecordingEngine final : public Engine {
     }
     record(std::move(call));
   }
+  static constexpr int32_t kFailToken = 666;  // prefill() of it fails
   int max_prefill_tokens() const override { return 1 << 20; }
   // prefill() waits while held.
   void hold_prefill() {
@@ -130,6 +137,10 @@ class RecordingEngine final : public Engine {
 class CollectingWriter final : public StreamWriter {
  public:
   std::shared_ptr<Sequence> seq;
+  std::string message() {
+    std::lock_guard lock(mu_);
+    return message_;
+  }
   void flush() override {
     std::vector<int32_t> tokens;
     for (;;) {
@@ -139,6 +150,7 @@ class CollectingWriter final : public StreamWriter {
       if (item.kind == TokenOutbox::Item::kTokens) got_.insert(got_.end(), tokens.begin(), tokens.end());
       if (item.kind == TokenOutbox::Item::kClosed) {
         status_ = item.status;
+        message_ = item.message;
         closed_ = true;
         cv_.notify_all();
         return;
@@ -165,6 +177,7 @@ class CollectingWriter final : public StreamWriter {
   std::vector<int32_t> got_;
   bool closed_ = false;
   StreamStatus status_ = StreamStatus::kOk;
+  std::string message_;
 };
 
 std::unique_ptr<CollectingWriter> start(Scheduler& scheduler, std::vector<int32_t> prompt, uint32_t max_new,
@@ -300,6 +313,17 @@ TEST(SchedulerPrefillTest, TheBudgetIsSharedOldestPromptFirst) {
   const std::vector<std::vector<std::vector<int32_t>>> want = {
       {{1}}, {iota(10, 5), {20}}, {iota(21, 4), iota(30, 2)}, {iota(32, 3)}};
   EXPECT_EQ(reads, want);
+}
+
+TEST(SchedulerPrefillTest, AFailedPrefillEndsItsSequenceAndTheServerGoesOn) {
+  RecordingEngine engine(2);
+  Scheduler scheduler(engine, chunked(8), nullptr, nullptr);
+  auto failing = start(scheduler, {1, RecordingEngine::kFailToken, 2}, 3);
+  EXPECT_EQ(failing->wait_closed(), StreamStatus::kInternal);
+  EXPECT_EQ(failing->message(), "engine error: device lost");
+  auto next = start(scheduler, {7, 8}, 2);
+  EXPECT_EQ(next->wait_closed(), StreamStatus::kOk);
+  EXPECT_EQ(next->got(), (std::vector<int32_t>{9, 10}));
 }
 
 TEST(SchedulerPrefillTest, AConverseTurnIsReadInThePiecesItArrivesIn) {
