@@ -568,6 +568,7 @@ void Scheduler::prefill(SubmittedStep& step) {
     budget -= n;
     total += n;
   }
+  if (prefill_runs_.empty()) return;
   prefill_sampled_.resize(prefill_runs_.size());  // within the capacity reserved at construction
   const Clock::time_point start = Clock::now();
   try {
