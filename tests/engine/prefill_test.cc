@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "model/cpu_engine.h"
+#include "model/cpu/cpu_engine.h"
 #include "model/engine.h"
 #include "model/weights.h"
 #include "prefill_check.h"
