@@ -110,10 +110,9 @@ TEST(SchedulerAllocation, TheEngineThreadAllocatesNothingPerPrefillChunk) {
   Scheduler scheduler(engine, options, nullptr, nullptr);
   CountingWriter decoding, session;
   SequenceParams params;
-  params.max_new_tokens = 1'000'000;
   decoding.sequence = std::make_shared<Sequence>(params, 1 << 16, &decoding);
   decoding.sequence->add_input(std::vector<int32_t>{1});
-  decoding.sequence->end_turn(params.max_new_tokens);
+  decoding.sequence->end_turn(1'000'000);
   decoding.sequence->close_input();
   ASSERT_EQ(scheduler.submit(decoding.sequence).status, StreamStatus::kOk);
   SequenceParams session_params;

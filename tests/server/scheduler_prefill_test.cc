@@ -184,7 +184,6 @@ std::unique_ptr<CollectingWriter> start(Scheduler& scheduler, std::vector<int32_
                                         SamplingParams sampling = {}) {
   auto writer = std::make_unique<CollectingWriter>();
   SequenceParams params;
-  params.max_new_tokens = max_new;
   params.sampling = sampling;
   writer->seq = std::make_shared<Sequence>(params, 4096, writer.get());
   writer->seq->add_input(prompt);
