@@ -17,6 +17,7 @@
 #include "kernels/weight_dtype.h"
 #include "model/config.h"
 #include "model/cuda_policy.h"
+#include "model/sampling_mask.h"
 
 namespace m3 {
 
@@ -31,6 +32,7 @@ struct SamplingParams {
   int32_t top_k = 0;         // 0: no limit
   float top_p = 1.0f;        // keep the smallest top set whose probability reaches top_p
   uint64_t seed = 0;         // with the slot's step counter, fixes every random draw
+  int32_t mask = -1;         // EngineOptions::sampling_masks index; -1: every id
 };
 
 std::string_view weight_dtype_name(WeightDType);
@@ -51,6 +53,8 @@ struct EngineOptions {
   // Most prompt tokens one prefill() call takes (all its runs together); engines size
   // their prefill buffers for it at load.
   int max_prefill_tokens = 2048;
+  // The masks SamplingParams::mask picks from (token_mask.h), built once at load.
+  std::vector<SamplingMask> sampling_masks;
 };
 
 // One slot's share of a prefill() call: the tokens to feed it, in order.
@@ -72,6 +76,8 @@ class Engine {
   virtual std::string_view backend() const = 0;  // "cpu", "cuda"
   virtual const ModelConfig& config() const = 0;
   virtual int max_slots() const = 0;
+  // How many of EngineOptions::sampling_masks set_sampling accepts (0: it applies none).
+  virtual int sampling_mask_count() const { return 0; }
 
   // Zeroes the slot's state and its random-draw counter: a new sequence.
   virtual void reset(int slot) = 0;

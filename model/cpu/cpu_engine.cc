@@ -53,6 +53,7 @@ class CpuEngine final : public Engine {
   std::string_view backend() const override { return "cpu"; }
   const ModelConfig& config() const override { return config_; }
   int max_slots() const override { return max_slots_; }
+  int sampling_mask_count() const override { return masks_.size(); }
   void reset(int slot) override;
   void set_sampling(int slot, const SamplingParams& params) override;
   void step(std::span<const int32_t> slots, std::span<const int32_t> tokens,
@@ -103,6 +104,8 @@ class CpuEngine final : public Engine {
   std::vector<uint64_t> counter_;
   std::vector<int32_t> last_sampled_;  // -1: nothing sampled since reset
   std::vector<SamplingParams> params_;
+  SamplingMaskTable masks_;
+  std::vector<int32_t> frame_position_;  // of the slot's next sample after a continue token
 
   // Activations of one step, indexed by position in the step's slot list.
   std::vector<float> res_, normed_, hidden_, in_out_, B_normed_, C_normed_, mixer_out_;
@@ -125,7 +128,10 @@ class CpuEngine final : public Engine {
 };
 
 CpuEngine::CpuEngine(const ModelWeights& weights, const EngineOptions& options)
-    : config_(weights.config()), max_slots_(options.max_slots), pool_(options.cpu_threads) {
+    : config_(weights.config()),
+      max_slots_(options.max_slots),
+      pool_(options.cpu_threads),
+      masks_(options.sampling_masks, weights.config().vocab_size) {
   if (max_slots_ < 1) {
     throw std::invalid_argument("cpu engine: max_slots must be >= 1, got " +
                                 std::to_string(max_slots_));
@@ -225,6 +231,7 @@ CpuEngine::CpuEngine(const ModelWeights& weights, const EngineOptions& options)
   counter_.assign(slots, 0);
   last_sampled_.assign(slots, -1);
   params_.assign(slots, SamplingParams{});
+  frame_position_.assign(slots, 0);
 
   if (options.max_prefill_tokens < 1) {
     throw std::invalid_argument("cpu engine: max_prefill_tokens must be >= 1, got " +
@@ -267,11 +274,12 @@ void CpuEngine::reset(int slot) {
   std::fill_n(state_.begin() + slot * per_slot, per_slot, 0.0f);
   counter_[static_cast<size_t>(slot)] = 0;
   last_sampled_[static_cast<size_t>(slot)] = -1;
+  frame_position_[static_cast<size_t>(slot)] = 0;
 }
 
 void CpuEngine::set_sampling(int slot, const SamplingParams& params) {
   check_slot(slot, "set_sampling");
-  if (const std::string why = sampling_params_error(params); !why.empty()) {
+  if (const std::string why = sampling_params_error(params, masks_.size()); !why.empty()) {
     throw std::invalid_argument("set_sampling: slot " + std::to_string(slot) + ": " + why);
   }
   params_[static_cast<size_t>(slot)] = params;
@@ -428,9 +436,15 @@ void CpuEngine::step(std::span<const int32_t> slots, std::span<const int32_t> to
     for (int64_t b = begin; b < end; ++b) {
       const size_t slot = static_cast<size_t>(slots[static_cast<size_t>(b)]);
       const std::span<const float> row(logits_.data() + b * V_, static_cast<size_t>(V_));
-      sampled[static_cast<size_t>(b)] =
-          sample_token(row, config_.vocab_size, params_[slot], counter_[slot],
-                       sampling_scratch_[static_cast<size_t>(b)]);
+      const SamplingParams& p = params_[slot];
+      // An input token starts a frame; a continue token samples the frame's next position.
+      if (tokens[static_cast<size_t>(b)] != kContinueToken) frame_position_[slot] = 0;
+      const std::span<const TokenRange> allowed =
+          p.mask >= 0 ? masks_.ranges(p.mask, frame_position_[slot]) : std::span<const TokenRange>{};
+      const int32_t token = sample_token(row, config_.vocab_size, p, counter_[slot],
+                                         sampling_scratch_[static_cast<size_t>(b)], allowed);
+      sampled[static_cast<size_t>(b)] = token;
+      if (p.mask >= 0) frame_position_[slot] = next_frame_position(masks_.view(), p.mask, frame_position_[slot], token);
     }
   });
   for (int b = 0; b < batch; ++b) {
