@@ -1,5 +1,8 @@
 #include "server/converse_reactor.h"
 
+#include "server/prompt_segments.h"
+#include "server/vocab_serving.h"
+
 namespace m3 {
 
 ConverseReactor::ConverseReactor(ServiceContext& ctx, grpc::CallbackServerContext* call)
@@ -48,7 +51,9 @@ ConverseReactor::Handled ConverseReactor::handle(const v1::ConverseRequest& r) {
              std::to_string(messages_read_));
         return Handled::kStop;
       }
-      if (auto e = check_session_config(r.config(), ctx_.limits); !e.empty()) {
+      std::string e = check_session_config(r.config(), ctx_.limits);
+      if (e.empty()) e = check_allowed_tokens(r.config().sampling(), ctx_, "config.sampling", &sampling_mask_);
+      if (!e.empty()) {
         fail(e);
         return Handled::kStop;
       }
@@ -76,6 +81,14 @@ ConverseReactor::Handled ConverseReactor::handle(const v1::ConverseRequest& r) {
       }
       return add_input(std::move(ids), "input_text's token ids");
     }
+    case v1::ConverseRequest::kInputSegments: {
+      std::vector<int32_t> ids;
+      if (auto e = segments_to_ids(r.input_segments(), segment_vocabulary(ctx_), "input_segments", &ids); !e.empty()) {
+        fail(e);
+        return Handled::kStop;
+      }
+      return add_input(std::move(ids), "input_segments' token ids");
+    }
     case v1::ConverseRequest::kEndTurn: {
       uint32_t max_new = r.end_turn().max_new_tokens();
       if (max_new == 0) max_new = config_.max_new_tokens();
@@ -92,6 +105,10 @@ ConverseReactor::Handled ConverseReactor::handle(const v1::ConverseRequest& r) {
       }
       if (turns_ended_ == 0 && turn_input_tokens_ == 0) {
         fail("end_turn before any input: the first turn needs at least one input token");
+        return Handled::kStop;
+      }
+      // The turn rule: the model hears the end of the client's turn as its own control.
+      if (ctx_.end_of_turn_id >= 0 && add_input({ctx_.end_of_turn_id}, "end_of_turn") == Handled::kStop) {
         return Handled::kStop;
       }
       if (!seq_ && !start_session()) return Handled::kStop;
@@ -158,6 +175,8 @@ bool ConverseReactor::start_session() {
   params.request_id = session_id_;
   params.session = true;
   params.sampling = engine_sampling(config_.sampling());
+  params.sampling.mask = sampling_mask_;
+  params.end_of_reply_id = ctx_.end_of_reply_id;
   params.stop_token_ids.assign(config_.stop_token_ids().begin(), config_.stop_token_ids().end());
   params.deadline = steady_deadline(call_->deadline());
   auto seq = std::make_shared<Sequence>(std::move(params), ctx_.stream_buffer_tokens, this);

@@ -61,6 +61,7 @@ class ConverseReactor final
   grpc::ByteBuffer request_bytes_;
   v1::ConverseRequest request_;
   v1::SessionConfig config_;
+  int32_t sampling_mask_ = -1;  // config_.sampling.allowed's engine mask
   uint64_t messages_read_ = 0;
   uint32_t turns_ended_ = 0;
   size_t turn_input_tokens_ = 0;

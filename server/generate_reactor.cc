@@ -2,6 +2,9 @@
 
 #include <algorithm>
 
+#include "server/prompt_segments.h"
+#include "server/vocab_serving.h"
+
 namespace m3 {
 
 GenerateReactor::GenerateReactor(ServiceContext& ctx, grpc::CallbackServerContext* call,
@@ -27,6 +30,8 @@ void GenerateReactor::start(const v1::GenerateRequest& request) {
   request_id_ = id_to_log(request);
   std::vector<int32_t> prompt;
   std::string error = check_generate_request(request, ctx_.limits);
+  int32_t mask = -1;
+  if (error.empty()) error = check_allowed_tokens(request.sampling(), ctx_, "sampling", &mask);
   if (error.empty()) error = read_prompt(request, &prompt);
   if (!error.empty()) {
     complete(StreamStatus::kInvalidArgument, error);
@@ -36,6 +41,8 @@ void GenerateReactor::start(const v1::GenerateRequest& request) {
   SequenceParams params;
   params.request_id = request_id_;
   params.sampling = engine_sampling(request.sampling());
+  params.sampling.mask = mask;
+  params.end_of_reply_id = ctx_.end_of_reply_id;
   seed_ = params.sampling.seed;
   params.stop_token_ids.assign(request.stop_token_ids().begin(), request.stop_token_ids().end());
   params.deadline = steady_deadline(call_->deadline());
@@ -64,6 +71,9 @@ std::string GenerateReactor::read_prompt(const v1::GenerateRequest& request,
   if (request.prompt_case() == v1::GenerateRequest::kPromptIds) {
     prompt->assign(request.prompt_ids().ids().begin(), request.prompt_ids().ids().end());
     return "";
+  }
+  if (request.prompt_case() == v1::GenerateRequest::kPromptSegments) {
+    return segments_to_ids(request.prompt_segments(), segment_vocabulary(ctx_), "prompt_segments", prompt);
   }
   try {
     *prompt = ctx_.tokenizer->encode(request.prompt_text());

@@ -25,6 +25,7 @@ v1::FinishReason to_proto(FinishReason reason) {
     case FinishReason::kLength: return v1::FINISH_REASON_LENGTH;
     case FinishReason::kStop: return v1::FINISH_REASON_STOP;
     case FinishReason::kCancelled: return v1::FINISH_REASON_CANCELLED;
+    case FinishReason::kEndOfReply: return v1::FINISH_REASON_END_OF_REPLY;
   }
   return v1::FINISH_REASON_UNSPECIFIED;
 }

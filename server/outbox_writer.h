@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "model/tokenizer.h"
+#include "server/reply_segments.h"
 #include "server/metrics.h"
 #include "server/sequence.h"
 #include "server/service_context.h"
@@ -29,6 +30,7 @@ class OutboxWriter {
  public:
   explicit OutboxWriter(const ServiceContext& ctx) : metrics_(ctx.metrics) {
     if (ctx.tokenizer) detokenizer_ = std::make_unique<StreamDetokenizer>(*ctx.tokenizer);
+    if (ctx.vocab) segmenter_ = std::make_unique<ReplySegmenter>(*ctx.vocab, ctx.tokenizer);
     tokens_.reserve(ctx.stream_buffer_tokens);
   }
 
@@ -54,6 +56,10 @@ class OutboxWriter {
         case TokenOutbox::Item::kTokens:
           if (write_failed_) continue;
           fill_tokens(tokens_, detokenizer_.get(), &text_, response_.mutable_tokens());
+          if (segmenter_) {
+            response_.mutable_tokens()->mutable_segments()->Clear();
+            segmenter_->append(tokens_, response_.mutable_tokens()->mutable_segments());
+          }
           // Counted before the client can see them, so a scrape never lags a stream.
           if (metrics_) metrics_->add_tokens_generated(tokens_.size());
           tokens_sent_.fetch_add(tokens_.size(), std::memory_order_relaxed);
@@ -97,17 +103,18 @@ class OutboxWriter {
     return &wire_;
   }
 
-  // Puts the detokenizer's held-back text, if any, into response_ as a Tokens message
-  // with no ids; false when there is none.
+  // Puts the detokenizer's held-back text, if any, and the segments still waiting (an
+  // unfinished character, a broken-off frame) into response_ as a Tokens message with no
+  // ids; false when there is none.
   bool flush_held_text() {
-    if (!detokenizer_) return false;
-    text_.clear();
-    detokenizer_->finish(&text_);
-    if (text_.empty()) return false;
     auto* tokens = response_.mutable_tokens();
     tokens->mutable_ids()->Clear();
+    tokens->mutable_segments()->Clear();
+    text_.clear();
+    if (detokenizer_) detokenizer_->finish(&text_);
     tokens->set_text(text_);
-    return true;
+    if (segmenter_) segmenter_->finish(tokens->mutable_segments());
+    return !text_.empty() || !tokens->segments().empty();
   }
 
   ServerMetrics* metrics_;  // may be null
@@ -116,6 +123,7 @@ class OutboxWriter {
   grpc::ByteBuffer wire_;
   std::vector<int32_t> tokens_;
   std::unique_ptr<StreamDetokenizer> detokenizer_;
+  std::unique_ptr<ReplySegmenter> segmenter_;  // with a vocabulary layout
   std::string text_;
   std::optional<TurnEnd> held_turn_end_;  // to write after the held text (see drain)
   bool write_failed_ = false;

@@ -104,6 +104,8 @@ std::string check_generate_request(const v1::GenerateRequest& r, const RequestLi
         return e;
       break;
     }
+    case v1::GenerateRequest::kPromptSegments:
+      break;  // checked as it is mapped to ids (prompt_segments.h)
     case v1::GenerateRequest::kPromptText:
       if (!limits.has_tokenizer)
         return "prompt_text needs a tokenizer and this server has none (start it with "

@@ -350,7 +350,9 @@ void Scheduler::emit(int i, int32_t token, Clock::time_point now) {
       return;
   }
   const auto& stops = seq.params().stop_token_ids;
-  if (std::find(stops.begin(), stops.end(), token) != stops.end()) {
+  if (token == seq.params().end_of_reply_id) {
+    end_reply(i, FinishReason::kEndOfReply, now);
+  } else if (std::find(stops.begin(), stops.end(), token) != stops.end()) {
     end_reply(i, FinishReason::kStop, now);
   } else if (s.generated >= s.reply_max_new) {
     end_reply(i, FinishReason::kLength, now);

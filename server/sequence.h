@@ -36,6 +36,7 @@ struct SequenceParams {
   bool session = false;  // Converse: the slot stays with the client across turns
   SamplingParams sampling;
   std::vector<int32_t> stop_token_ids;
+  int32_t end_of_reply_id = -1;  // emitting it ends the reply (FinishReason::kEndOfReply); -1: none
   Clock::time_point deadline = Clock::time_point::max();
 };
 

@@ -12,6 +12,7 @@
 
 #include "model/engine.h"
 #include "model/tokenizer.h"
+#include "model/vocab_layout.h"
 #include "model/weights.h"
 #include "server/demo_model.h"
 #include "server/library_logs.h"
@@ -22,6 +23,7 @@
 #include "server/scheduler.h"
 #include "server/service_context.h"
 #include "server/stalled_streams.h"
+#include "server/vocab_serving.h"
 
 namespace m3 {
 namespace {
@@ -49,6 +51,9 @@ ServerApp::ServerApp(const ServerConfig& config, std::shared_ptr<spdlog::logger>
                   "(its output is meaningless)", model_dir.string());
   }
   weights_ = std::make_unique<ModelWeights>(ModelWeights::load(model_dir));
+  if (auto vocab = VocabLayout::load(model_dir, weights_->config().vocab_size)) {
+    vocab_ = std::make_unique<VocabLayout>(std::move(*vocab));
+  }
 
   EngineOptions engine_options;
   engine_options.max_slots = config_.max_batch;
@@ -59,6 +64,7 @@ ServerApp::ServerApp(const ServerConfig& config, std::shared_ptr<spdlog::logger>
   engine_options.deterministic = config_.deterministic;
   engine_options.cuda = config_.cuda;
   if (config_.prefill_chunk_tokens > 0) engine_options.max_prefill_tokens = config_.prefill_chunk_tokens;
+  if (vocab_) engine_options.sampling_masks = sampling_masks_for(*vocab_);
   engine_ = make_engine(config_.backend, *weights_, engine_options);
   const ModelConfig& mc = engine_->config();
   logger_->info("model {}: {} layers, d_model {}, vocab {}, {} parameters; backend {} with {} slots",
@@ -73,12 +79,20 @@ ServerApp::ServerApp(const ServerConfig& config, std::shared_ptr<spdlog::logger>
     logger_->info("engine step variants measured at load: {}", report);
   }
 
-  if (!config_.tokenizer.empty()) {
-    tokenizer_ = Tokenizer::load(config_.tokenizer);
+  // --tokenizer, else the model directory's own (vocab.json's text.tokenizer).
+  std::filesystem::path tokenizer_path = config_.tokenizer;
+  if (tokenizer_path.empty() && vocab_ && vocab_->text) tokenizer_path = vocab_->text->tokenizer;
+  if (!tokenizer_path.empty()) {
+    tokenizer_ = Tokenizer::load(tokenizer_path);
     if (tokenizer_->vocab_size() > mc.vocab_size) {
       logger_->warn("tokenizer {} has {} pieces but the model's vocabulary has {}: text that "
                     "encodes to larger ids is refused",
-                    config_.tokenizer, tokenizer_->vocab_size(), mc.vocab_size);
+                    tokenizer_path.string(), tokenizer_->vocab_size(), mc.vocab_size);
+    }
+    if (vocab_ && vocab_->text && tokenizer_->vocab_size() != vocab_->text->size) {
+      throw std::runtime_error((model_dir / "vocab.json").string() + ": text.size " +
+                               std::to_string(vocab_->text->size) + " but the tokenizer " + tokenizer_path.string() +
+                               " has " + std::to_string(tokenizer_->vocab_size()) + " pieces");
     }
   }
 
@@ -104,6 +118,13 @@ ServerApp::ServerApp(const ServerConfig& config, std::shared_ptr<spdlog::logger>
   context_->limits.max_new_tokens_limit = config_.max_new_tokens_limit;
   context_->limits.max_prompt_tokens = config_.max_prompt_tokens;
   context_->limits.has_tokenizer = tokenizer_ != nullptr;
+  context_->vocab = vocab_.get();
+  resolve_allowed_tokens(vocab_.get(), engine_options.sampling_masks, engine_->sampling_mask_count(),
+                         std::string(engine_->backend()), context_.get());
+  if (vocab_) {
+    context_->end_of_turn_id = vocab_->control_id("end_of_turn");
+    context_->end_of_reply_id = vocab_->control_id("end_of_reply");
+  }
   context_->stream_buffer_tokens = static_cast<size_t>(config_.stream_buffer_tokens);
   v1::ModelInfo& info = context_->model_info;
   info.set_model_name(demo_model_ ? "demo-tiny (random weights)" : model_dir.filename().string());
@@ -119,6 +140,7 @@ ServerApp::ServerApp(const ServerConfig& config, std::shared_ptr<spdlog::logger>
   info.set_max_batch(engine_->max_slots());
   info.set_has_tokenizer(tokenizer_ != nullptr);
   info.set_demo_model(demo_model_);
+  if (vocab_) fill_vocab_info(*vocab_, info.mutable_vocab());
   service_ = std::make_unique<M3ServeService>(*context_);
 
   grpc::EnableDefaultHealthCheckService(true);

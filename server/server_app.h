@@ -25,6 +25,7 @@ namespace m3 {
 class Engine;
 class ModelWeights;
 class Tokenizer;
+struct VocabLayout;
 class ServerMetrics;
 class Scheduler;
 class StalledStreams;
@@ -67,6 +68,7 @@ class ServerApp {
   std::unique_ptr<ModelWeights> weights_;
   std::unique_ptr<Engine> engine_;
   std::unique_ptr<Tokenizer> tokenizer_;
+  std::unique_ptr<VocabLayout> vocab_;  // the model's vocab.json; null: ids only
   std::unique_ptr<ServerMetrics> metrics_;
   std::unique_ptr<RequestLog> request_log_;
   // Protobuf's and gRPC's lines into request_log_ (rate-limited) until after server_ is gone.

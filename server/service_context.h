@@ -22,6 +22,7 @@ namespace m3 {
 class ServerMetrics;
 class StreamDetokenizer;
 class Tokenizer;
+struct VocabLayout;
 
 struct ServiceContext {
   explicit ServiceContext(size_t max_unstarted_sessions = 1024) : unstarted_sessions(max_unstarted_sessions) {}
@@ -30,6 +31,14 @@ struct ServiceContext {
   ServerMetrics* metrics = nullptr;  // may be null
   RequestLog* log = nullptr;
   const Tokenizer* tokenizer = nullptr;  // null: token ids only
+  const VocabLayout* vocab = nullptr;    // null: the model has no vocab.json
+  // The engine's sampling mask for each AllowedTokens value (-1: none), with the reason
+  // a value cannot be served ("" when it can).
+  std::vector<int32_t> allowed_mask;
+  std::vector<std::string> allowed_unavailable;
+  // Turn rules (the vocabulary's controls; -1: none): fed after each Converse turn; ends a reply.
+  int32_t end_of_turn_id = -1;
+  int32_t end_of_reply_id = -1;
   RequestLimits limits;
   size_t stream_buffer_tokens = 1024;
   v1::ModelInfo model_info;

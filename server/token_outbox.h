@@ -21,7 +21,7 @@
 
 namespace m3 {
 
-enum class FinishReason { kLength, kStop, kCancelled };
+enum class FinishReason { kLength, kStop, kCancelled, kEndOfReply };
 
 // Final status of a stream (the gRPC code it maps to).
 enum class StreamStatus {

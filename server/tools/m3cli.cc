@@ -102,6 +102,7 @@ std::string_view finish_reason_name(m3serve::v1::FinishReason reason) {
     case m3serve::v1::FINISH_REASON_LENGTH: return "length";
     case m3serve::v1::FINISH_REASON_STOP: return "stop";
     case m3serve::v1::FINISH_REASON_CANCELLED: return "cancelled (server shutting down)";
+    case m3serve::v1::FINISH_REASON_END_OF_REPLY: return "end_of_reply";
     default: return "unspecified";
   }
 }

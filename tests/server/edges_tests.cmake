@@ -79,3 +79,17 @@ if(TARGET m3_spm AND M3_SPM_TRAIN AND M3_SHIM_LOADABLE)
 else()
   message(STATUS "m3serve: no sentencepiece shim or spm_train; tokenizer tests not built")
 endif()
+
+# --- vocabulary layout (issue 26): vocab.json, segments, constrained sampling, turn rules ---
+if(TARGET m3_spm AND M3_SPM_TRAIN AND M3_SHIM_LOADABLE AND TARGET m3_server)
+  add_executable(m3_vocab_serving_test ${CMAKE_CURRENT_LIST_DIR}/vocab_serving_test.cc)
+  target_link_libraries(m3_vocab_serving_test PRIVATE m3_server GTest::gtest_main)
+  target_compile_definitions(m3_vocab_serving_test PRIVATE M3_TEST_SPM_MODEL="${M3_TEST_SPM_DIR}/tiny.model")
+  # Its own directory with the shim beside it (Tokenizer::default_shim_path()).
+  set_target_properties(m3_vocab_serving_test PROPERTIES
+    RUNTIME_OUTPUT_DIRECTORY ${CMAKE_CURRENT_BINARY_DIR}/vocab_serving)
+  add_custom_command(TARGET m3_vocab_serving_test POST_BUILD
+    COMMAND ${CMAKE_COMMAND} -E copy_if_different $<TARGET_FILE:m3_spm> $<TARGET_FILE_DIR:m3_vocab_serving_test>/)
+  add_dependencies(m3_vocab_serving_test m3_spm)
+  gtest_discover_tests(m3_vocab_serving_test PROPERTIES FIXTURES_REQUIRED m3_spm_model TIMEOUT 300)
+endif()
