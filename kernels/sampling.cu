@@ -96,6 +96,17 @@ __global__ void __launch_bounds__(kThreads) sampling_kernel(const SamplingParams
   const int slot = a.slots[b];
   const SlotSampling sp = a.params[slot];
   const uint64_t counter = a.counters[slot];
+  // The candidates: the mask's ranges at the slot's frame position (ascending, disjoint:
+  // SamplingMaskTable), or the whole vocabulary as one range.
+  const bool masked = sp.mask >= 0 && sp.mask < a.masks.n_masks && a.frame_positions != nullptr && a.tokens != nullptr;
+  int position = 0, range_begin = 0, range_end = 1;
+  const TokenRange whole{0, a.vocab, 0};
+  const TokenRange* ranges = &whole;
+  if (masked) {
+    position = a.tokens[b] == -1 ? a.frame_positions[slot] : 0;  // -1: kContinueToken
+    mask_ranges(a.masks, sp.mask, position, &range_begin, &range_end);
+    ranges = a.masks.ranges;
+  }
   wait_for_previous_kernel();
   const float* l = a.logits + (int64_t)b * a.logits_stride;
   const int V = a.vocab;
@@ -106,12 +117,19 @@ __global__ void __launch_bounds__(kThreads) sampling_kernel(const SamplingParams
     return ((unsigned long long)ordered_bits(l[i]) << id_bits) | (unsigned long long)(V - 1 - i);
   };
   auto id_of = [&](unsigned long long key) { return V - 1 - (int)(key & id_mask); };
+  // Calls f(i) for this thread's share of the candidate ids.
+  auto for_candidates = [&](auto&& f) {
+    for (int r = range_begin; r < range_end; ++r) {
+      const int lo = max(ranges[r].lo, 0), hi = min(ranges[r].hi, V);
+      for (int i = lo + (int)threadIdx.x; i < hi; i += kThreads) f(i);
+    }
+  };
 
   unsigned long long best = 0;
-  for (int i = threadIdx.x; i < V; i += kThreads) {
+  for_candidates([&](int i) {
     const unsigned long long kk = key_of(i);
     best = kk > best ? kk : best;
-  }
+  });
   best = block_key_max(best, red);
   int chosen = id_of(best);
 
@@ -127,13 +145,13 @@ __global__ void __launch_bounds__(kThreads) sampling_kernel(const SamplingParams
       const unsigned long long from = t > floor_key ? t : floor_key;
       mass = 0.f;
       count = 0;
-      for (int i = threadIdx.x; i < V; i += kThreads) {
+      for_candidates([&](int i) {
         if (key_of(i) >= from) {
           const float li = l[i];
           mass += isnan(li) ? 0.f : expf((li - lmax) * inv_t);  // NaN weighs nothing, as -inf
           ++count;
         }
-      }
+      });
       block_sum_count(mass, count, red);
     };
     // Each cut is the largest key t with a monotone property, built bit by bit from the
@@ -145,7 +163,7 @@ __global__ void __launch_bounds__(kThreads) sampling_kernel(const SamplingParams
       for (int bit = key_bits - 1; bit >= 0; --bit) {
         const unsigned long long cand = t | (1ull << bit);
         int count = 0;
-        for (int i = threadIdx.x; i < V; i += kThreads) count += key_of(i) >= cand;
+        for_candidates([&](int i) { count += key_of(i) >= cand; });
         float unused = 0.f;
         block_sum_count(unused, count, red);
         if (count >= k_eff) t = cand;
@@ -182,10 +200,10 @@ __global__ void __launch_bounds__(kThreads) sampling_kernel(const SamplingParams
     // The kept id with the smallest key >= t (t is such a key unless rounding broke
     // monotonicity; this keeps the pick inside the kept set either way).
     unsigned long long pick = ~0ull;
-    for (int i = threadIdx.x; i < V; i += kThreads) {
+    for_candidates([&](int i) {
       const unsigned long long kk = key_of(i);
       if (kk >= t && kk >= floor_key && kk < pick) pick = kk;
-    }
+    });
     pick = block_key_min(pick, red);
     if (pick != ~0ull) chosen = id_of(pick);
   }
@@ -194,6 +212,7 @@ __global__ void __launch_bounds__(kThreads) sampling_kernel(const SamplingParams
     a.sampled[b] = chosen;
     a.last_token[slot] = chosen;
     a.counters[slot] = counter + 1;
+    if (masked) a.frame_positions[slot] = next_frame_position(a.masks, sp.mask, position, chosen);
   }
 }
 

@@ -128,7 +128,7 @@ TEST(SamplingKernel, NonFiniteLogitsAsTheHostDefinition) {
     std::vector<kernels::SlotSampling> params(batch);
     std::vector<uint64_t> counters(batch);
     for (int s = 0; s < batch; ++s) {
-      params[s] = {c.temperature, c.top_k, c.top_p, 0, c.seed + static_cast<uint64_t>(s)};
+      params[s] = {c.temperature, c.top_k, c.top_p, -1, c.seed + static_cast<uint64_t>(s)};
       counters[s] = static_cast<uint64_t>(3 * s + 1);
     }
     expect_host_samples(logits, stride, vocab, slots, params, counters, 0,
