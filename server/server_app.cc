@@ -53,6 +53,7 @@ ServerApp::ServerApp(const ServerConfig& config, std::shared_ptr<spdlog::logger>
   weights_ = std::make_unique<ModelWeights>(ModelWeights::load(model_dir));
   if (auto vocab = VocabLayout::load(model_dir, weights_->config().vocab_size)) {
     vocab_ = std::make_unique<VocabLayout>(std::move(*vocab));
+    logger_->info("vocabulary (vocab.json): {}", describe_vocab(*vocab_));
   }
 
   EngineOptions engine_options;

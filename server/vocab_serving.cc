@@ -49,6 +49,28 @@ void fill_vocab_info(const VocabLayout& layout, v1::VocabLayout* out) {
   }
 }
 
+std::string describe_vocab(const VocabLayout& layout) {
+  std::string out;
+  const auto part = [&](const std::string& text) { out += (out.empty() ? "" : "; ") + text; };
+  if (layout.text) {
+    part("text [" + std::to_string(layout.text->first_id) + ", " +
+         std::to_string(layout.text->first_id + layout.text->size) + ")" +
+         (layout.text->tokenizer.empty() ? "" : " with " + layout.text->tokenizer.filename().string()));
+  }
+  if (const auto& u = layout.speech_units) {
+    std::string order;
+    for (int32_t c : u->frame_order) order += (order.empty() ? "" : " ") + std::to_string(c);
+    part(std::to_string(u->codebooks) + " codebooks x " + std::to_string(u->units_per_codebook) + " units at [" +
+         std::to_string(u->first_id) + ", " + std::to_string(u->end_id()) + "), frame order " + order);
+  }
+  if (!layout.controls.empty()) {
+    std::string controls = "controls";
+    for (const ControlToken& c : layout.controls) controls += " " + c.name + "=" + std::to_string(c.id);
+    part(controls);
+  }
+  return out.empty() ? "nothing named" : out;
+}
+
 void resolve_allowed_tokens(const VocabLayout* layout, const std::vector<SamplingMask>& masks, int engine_masks,
                             const std::string& backend, ServiceContext* ctx) {
   const int n = v1::AllowedTokens_ARRAYSIZE;

@@ -18,6 +18,9 @@ namespace v1 = ::m3serve::v1;
 struct ServiceContext;
 
 void fill_vocab_info(const VocabLayout& layout, v1::VocabLayout* out);
+// One line for the start log: "text [0, 320) with tokenizer.model; 4 codebooks x 32
+// units at [320, 448), frame order 2 0 3 1; controls bos=500 end_of_turn=501".
+std::string describe_vocab(const VocabLayout& layout);
 
 // Fills ctx.allowed_mask and ctx.allowed_unavailable for every AllowedTokens value from
 // the masks the engine was given (`masks`, by name) and how many it applies

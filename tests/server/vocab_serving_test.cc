@@ -15,6 +15,8 @@
 #include "model/vocab_layout.h"
 #include "server/prompt_segments.h"
 #include "server/reply_segments.h"
+#include "server/service_context.h"
+#include "server/vocab_serving.h"
 #include "server_test_support.h"
 
 namespace m3 {
@@ -389,6 +391,31 @@ TEST_F(VocabServing, TurnRulesEndOfTurnIsFedAndEndOfReplyEndsTheReply) {
   EXPECT_EQ(test::generate(*server.stub, test::generate_request(input, 1)).finish.reason(),
             gen[0] == end_of_reply ? v1::FINISH_REASON_END_OF_REPLY : v1::FINISH_REASON_LENGTH);
   fs::remove_all(dir);
+}
+
+TEST_F(VocabServing, ABackendWithoutMasksRefusesConstrainedSamplingNamingItself) {
+  const VocabLayout layout = *VocabLayout::load(*dir_, 512);
+  const std::vector<SamplingMask> masks = sampling_masks_for(layout);
+  ServiceContext ctx;
+  int32_t mask = 7;
+  v1::SamplingParams sampling;
+  sampling.set_allowed(v1::ALLOWED_TOKENS_UNITS);
+  EXPECT_EQ(check_allowed_tokens(sampling, ctx, "sampling", &mask),
+            "sampling.allowed needs a vocabulary layout (vocab.json) and this server has none");
+  resolve_allowed_tokens(&layout, masks, 0, "cuda", &ctx);  // what the CUDA engine reports today
+  EXPECT_EQ(check_allowed_tokens(sampling, ctx, "config.sampling", &mask),
+            "config.sampling.allowed = ALLOWED_TOKENS_UNITS: the cuda backend does not apply sampling masks yet; "
+            "serve with --backend cpu for constrained sampling");
+  EXPECT_EQ(mask, -1);
+  sampling.set_allowed(v1::ALLOWED_TOKENS_ALL);
+  EXPECT_EQ(check_allowed_tokens(sampling, ctx, "sampling", &mask), "");
+  resolve_allowed_tokens(&layout, masks, static_cast<int>(masks.size()), "cpu", &ctx);
+  sampling.set_allowed(v1::ALLOWED_TOKENS_UNITS_AND_CONTROLS);
+  EXPECT_EQ(check_allowed_tokens(sampling, ctx, "sampling", &mask), "");
+  EXPECT_EQ(masks[static_cast<size_t>(mask)].name, "units_and_controls");
+  EXPECT_EQ(describe_vocab(layout), "text [0, " + std::to_string(text_size()) + ") with tokenizer.model; 4 codebooks x 32 units at [" +
+                                        std::to_string(text_size()) + ", " + std::to_string(text_size() + 128) +
+                                        "), frame order 2 0 3 1; controls bos=500 end_of_turn=501 laugh=503");
 }
 
 }  // namespace
