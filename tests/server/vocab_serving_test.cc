@@ -8,6 +8,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <string>
 #include <vector>
 
@@ -18,6 +19,7 @@
 #include "server/service_context.h"
 #include "server/vocab_serving.h"
 #include "server_test_support.h"
+#include "tests/error_of.h"
 
 namespace m3 {
 namespace {
@@ -33,6 +35,11 @@ const Tokenizer& tokenizer() {
   return *t;
 }
 int text_size() { return tokenizer().vocab_size(); }
+
+std::string read_file(const fs::path& path) {
+  std::ifstream in(path);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
 int unit_id(int codebook, int unit) { return text_size() + codebook * kUnits + unit; }
 
 // The test server's tiny model with a vocab.json of text (with the tokenizer file when
@@ -390,6 +397,24 @@ TEST_F(VocabServing, TurnRulesEndOfTurnIsFedAndEndOfReplyEndsTheReply) {
   EXPECT_EQ(test::generate(*server.stub, stop).finish.reason(), first);
   EXPECT_EQ(test::generate(*server.stub, test::generate_request(input, 1)).finish.reason(),
             gen[0] == end_of_reply ? v1::FINISH_REASON_END_OF_REPLY : v1::FINISH_REASON_LENGTH);
+  fs::remove_all(dir);
+}
+
+TEST_F(VocabServing, ABadVocabularyStopsTheStartNamingTheField) {
+  // A control outside the vocabulary.
+  const fs::path bad = vocab_model("bad", R"({"bos": 512})");
+  EXPECT_EQ(test::error_of([&] { test::TestServer server(config_for(bad)); }),
+            (bad / "vocab.json").string() + ": controls.bos = 512 is outside the vocabulary [0, 512)");
+  fs::remove_all(bad);
+  // A tokenizer whose pieces are not the text range.
+  const fs::path dir = vocab_model("mismatch", kControls);
+  std::string text = read_file(dir / "vocab.json");
+  const std::string size = "\"size\": " + std::to_string(text_size());
+  text.replace(text.find(size), size.size(), "\"size\": " + std::to_string(text_size() - 1));
+  std::ofstream(dir / "vocab.json") << text;
+  EXPECT_EQ(test::error_of([&] { test::TestServer server(config_for(dir)); }),
+            (dir / "vocab.json").string() + ": text.size " + std::to_string(text_size() - 1) + " but the tokenizer " +
+                (dir / "tokenizer.model").string() + " has " + std::to_string(text_size()) + " pieces");
   fs::remove_all(dir);
 }
 
