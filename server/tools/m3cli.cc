@@ -9,6 +9,8 @@
 #include <future>
 #include <iostream>
 #include <optional>
+#include <algorithm>
+#include <cctype>
 #include <string>
 #include <vector>
 
@@ -27,6 +29,7 @@ commands:
   generate --ids 1,2,3 | --text "..."   stream one continuation
       [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P] [--seed S]
       [--stop 7,8] [--request-id ID] [--print auto|ids|text]
+      [--allowed all|text|text_and_controls|units|units_and_controls]  (needs the model's vocab.json)
   converse [same sampling options] [--session-id ID] [--print auto|ids|text]
       [--input auto|ids|text]
       each stdin line is one turn; the reply streams back
@@ -47,7 +50,7 @@ common options:
 
 const std::vector<std::string_view> kCommonOptions = {"server", "connect-timeout", "timeout"};
 const std::vector<std::string_view> kSamplingOptions = {
-    "max-new-tokens", "temperature", "top-k", "top-p", "seed", "stop"};
+    "max-new-tokens", "temperature", "top-k", "top-p", "seed", "stop", "allowed"};
 
 std::vector<std::string_view> options(std::vector<std::string_view> extra,
                                       const std::vector<std::string_view>& more = {}) {
@@ -88,6 +91,15 @@ void fill_sampling(const Flags& flags, m3serve::v1::SamplingParams* sampling) {
   sampling->set_top_k(static_cast<int32_t>(flags.get_int("top-k", 0, 0, INT32_MAX)));
   if (flags.has("top-p")) sampling->set_top_p(static_cast<float>(flags.get_double("top-p", 1.0)));
   if (flags.has("seed")) sampling->set_seed(flags.get_uint64("seed", 0));
+  if (const auto allowed = flags.find("allowed")) {
+    std::string name = "ALLOWED_TOKENS_" + *allowed;
+    std::transform(name.begin(), name.end(), name.begin(), [](unsigned char c) { return std::toupper(c); });
+    m3serve::v1::AllowedTokens value;
+    if (!m3serve::v1::AllowedTokens_Parse(name, &value)) {
+      throw UsageError("--allowed: '" + *allowed + "' is not all, text, text_and_controls, units or units_and_controls");
+    }
+    sampling->set_allowed(value);
+  }
 }
 
 template <typename Repeated>
@@ -311,6 +323,32 @@ int run_converse(const Flags& flags) {
   return 0;
 }
 
+// The model's vocab.json as GetModelInfo reports it, on one line.
+std::string describe_vocab(const m3serve::v1::ModelInfo& info) {
+  if (!info.has_vocab()) return "ids only (no vocab.json)";
+  const auto& v = info.vocab();
+  std::string out;
+  const auto part = [&](const std::string& text) { out += (out.empty() ? "" : "; ") + text; };
+  if (v.has_text()) {
+    part("text [" + std::to_string(v.text().first_id()) + ", " + std::to_string(v.text().first_id() + v.text().size()) +
+         ")" + (v.text().tokenizer().empty() ? "" : " with " + v.text().tokenizer()));
+  }
+  if (v.has_speech_units()) {
+    const auto& u = v.speech_units();
+    std::string order;
+    for (int32_t c : u.frame_order()) order += (order.empty() ? "" : " ") + std::to_string(c);
+    part(std::to_string(u.codebooks()) + " codebooks x " + std::to_string(u.units_per_codebook()) + " units at [" +
+         std::to_string(u.first_id()) + ", " + std::to_string(u.first_id() + u.codebooks() * u.units_per_codebook()) +
+         "), frame order " + order);
+  }
+  if (v.controls_size() > 0) {
+    std::string controls = "controls";
+    for (const auto& c : v.controls()) controls += " " + c.name() + "=" + std::to_string(c.id());
+    part(controls);
+  }
+  return out.empty() ? "nothing named" : out;
+}
+
 int run_info(const Flags& flags) {
   const CallSettings call = call_settings(flags, std::chrono::seconds(10));
   auto stub = m3serve::v1::M3Serve::NewStub(connect(call));
@@ -328,6 +366,7 @@ int run_info(const Flags& flags) {
       info.vocab_size(), info.padded_vocab_size(), info.d_state(), info.headdim(),
       info.mimo_rank(), info.max_batch(), info.has_tokenizer() ? "yes" : "no",
       info.demo_model() ? "yes (random weights)" : "no");
+  std::printf("vocabulary:    %s\n", describe_vocab(info).c_str());
   return 0;
 }
 

@@ -121,6 +121,15 @@ class ScriptedService final : public m3serve::v1::M3Serve::Service {
     info->set_padded_vocab_size(128);
     info->set_n_layer(2);
     info->set_max_batch(4);
+    auto* units = info->mutable_vocab()->mutable_speech_units();
+    units->set_first_id(60);
+    units->set_codebooks(2);
+    units->set_units_per_codebook(16);
+    units->add_frame_order(1);
+    units->add_frame_order(0);
+    auto* control = info->mutable_vocab()->add_controls();
+    control->set_name("end_of_turn");
+    control->set_id(99);
     return grpc::Status::OK;
   }
 };
@@ -265,6 +274,12 @@ TEST(M3cli, ConverseInputModeAndUtf8) {
   run = m3cli("--server " + server.address() + " converse --input words");
   EXPECT_EQ(run.exit_code, 2) << run.err;
   EXPECT_TRUE(contains(run.err, "--input: 'words' is not auto, ids or text")) << run.err;
+  run = m3cli("--server " + server.address() + " generate --ids 1 --max-new-tokens 2 --allowed units_and_controls");
+  EXPECT_EQ(run.exit_code, 0) << run.err;
+  run = m3cli("--server " + server.address() + " generate --ids 1 --allowed speech");
+  EXPECT_EQ(run.exit_code, 2) << run.err;
+  EXPECT_TRUE(contains(run.err, "--allowed: 'speech' is not all, text, text_and_controls, units or units_and_controls"))
+      << run.err;
 }
 
 TEST(ClientSupport, Utf8IsCheckedStrictly) {
@@ -320,6 +335,8 @@ TEST(M3cli, InfoPrintsTheModel) {
   EXPECT_TRUE(contains(run.out, "model:         scripted\n")) << run.out;
   EXPECT_TRUE(contains(run.out, "vocab:         100 (padded 128)\n")) << run.out;
   EXPECT_TRUE(contains(run.out, "tokenizer:     no\n")) << run.out;
+  EXPECT_TRUE(contains(run.out, "vocabulary:    2 codebooks x 16 units at [60, 92), frame order 1 0; controls end_of_turn=99\n"))
+      << run.out;
 }
 
 TEST(M3cli, HealthFollowsTheServingStatus) {
