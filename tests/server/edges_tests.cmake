@@ -83,7 +83,7 @@ endif()
 # --- vocabulary layout (issue 26): vocab.json, segments, constrained sampling, turn rules ---
 if(TARGET m3_spm AND M3_SPM_TRAIN AND M3_SHIM_LOADABLE AND TARGET m3_server)
   add_executable(m3_vocab_serving_test ${CMAKE_CURRENT_LIST_DIR}/vocab_serving_test.cc)
-  target_link_libraries(m3_vocab_serving_test PRIVATE m3_server GTest::gtest_main)
+  target_link_libraries(m3_vocab_serving_test PRIVATE m3_server_test_support GTest::gtest_main)
   target_compile_definitions(m3_vocab_serving_test PRIVATE M3_TEST_SPM_MODEL="${M3_TEST_SPM_DIR}/tiny.model")
   # Its own directory with the shim beside it (Tokenizer::default_shim_path()).
   set_target_properties(m3_vocab_serving_test PROPERTIES
