@@ -10,8 +10,8 @@
 #include <vector>
 
 #include "kernels/philox.h"
-#include "model/cpu_engine.h"
-#include "model/cpu_sampling.h"
+#include "model/cpu/cpu_engine.h"
+#include "model/cpu/cpu_sampling.h"
 #include "model/engine.h"
 #include "model/sampling_mask.h"
 #include "model/vocab_layout.h"

@@ -1,5 +1,5 @@
 // The sampling kernel with masks against its CPU twin (sample_token over the mask's
-// ranges at the slot's frame position, model/cpu_sampling.h): mixed masks, positions,
+// ranges at the slot's frame position, model/cpu/cpu_sampling.h): mixed masks, positions,
 // input and continue tokens; and the units-only property over 10,000 hot draws, the
 // frame positions carried on the device from launch to launch.
 #include <string>
@@ -8,7 +8,7 @@
 #include "gpu_test_util.h"
 #include "kernels/sampling.cuh"
 #include "kernels/token_mask.h"
-#include "model/cpu_sampling.h"
+#include "model/cpu/cpu_sampling.h"
 #include "model/sampling_mask.h"
 #include "model/vocab_layout.h"
 
