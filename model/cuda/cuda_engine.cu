@@ -98,6 +98,7 @@ CudaEngine::CudaEngine(const ModelWeights& weights, const EngineOptions& options
     while (bucket_sizes_[g] < n) ++g;
     bucket_of_batch_[n] = g;
   }
+  masks_ = DeviceMaskTable(SamplingMaskTable(options.sampling_masks, c.vocab_size));
   allocate_buffers();
   params_.assign(max_slots_ + 1, kernels::SlotSampling{});
   has_sample_.assign(max_slots_, 0);
@@ -126,6 +127,7 @@ void CudaEngine::allocate_buffers() {
   params_dev_ = DeviceBuffer(sizeof(kernels::SlotSampling) * n_all, "sampling params");
   counters_ = DeviceBuffer(sizeof(uint64_t) * n_all, "step counters");
   last_token_ = DeviceBuffer(sizeof(int32_t) * n_all, "last sampled tokens");
+  frame_positions_ = DeviceBuffer(sizeof(int32_t) * n_all, "frame positions");
   table_host_ = PinnedBuffer(sizeof(int32_t) * table_ints() * kMaxQueuedSteps, "step tables (host)");
   sampled_host_ = PinnedBuffer(sizeof(int32_t) * B * kMaxQueuedSteps, "sampled ids (host)");
   params_host_ = PinnedBuffer(sizeof(kernels::SlotSampling) * n_all * kMaxQueuedSteps, "sampling params (host)");
@@ -137,6 +139,7 @@ void CudaEngine::allocate_buffers() {
   M3_CUDA_CHECK(cudaMemset(res_.get(), 0, res_.bytes()));
   M3_CUDA_CHECK(cudaMemset(counters_.get(), 0, counters_.bytes()));
   M3_CUDA_CHECK(cudaMemset(last_token_.get(), 0, last_token_.bytes()));
+  M3_CUDA_CHECK(cudaMemset(frame_positions_.get(), 0, frame_positions_.bytes()));
   auto* th = table_host_.as<int32_t>();
   for (size_t i = 0; i < B; ++i) { th[i] = scratch_slot_; th[B + i] = 0; th[2 * B + i] = 0; }
   for (int t = 0; t < kMaxQueuedSteps; ++t) {
@@ -156,6 +159,8 @@ void CudaEngine::allocate_buffers() {
   buffers_.sampling = params_dev_.as<kernels::SlotSampling>();
   buffers_.counters = counters_.as<uint64_t>();
   buffers_.last_token = last_token_.as<int32_t>();
+  buffers_.masks = masks_.view();
+  buffers_.frame_positions = frame_positions_.as<int32_t>();
   buffers_.max_bucket = max_bucket_;
 }
 
@@ -230,13 +235,14 @@ void CudaEngine::reset(int slot) {
   steps_since_reset_[slot] = 0;
 }
 
-// The slot's device side as a new sequence finds it: state, random-draw counter and last
-// sampled token zero (queued on stream_).
+// The slot's device side as a new sequence finds it: state, random-draw counter, last
+// sampled token and frame position zero (queued on stream_).
 void CudaEngine::zero_slot(int slot) {
   float* st = state_.as<float>() + static_cast<size_t>(slot) * slot_state_floats_;
   M3_CUDA_CHECK(cudaMemsetAsync(st, 0, sizeof(float) * slot_state_floats_, stream_));
   M3_CUDA_CHECK(cudaMemsetAsync(counters_.as<uint64_t>() + slot, 0, sizeof(uint64_t), stream_));
   M3_CUDA_CHECK(cudaMemsetAsync(last_token_.as<int32_t>() + slot, 0, sizeof(int32_t), stream_));
+  M3_CUDA_CHECK(cudaMemsetAsync(frame_positions_.as<int32_t>() + slot, 0, sizeof(int32_t), stream_));
 }
 
 void CudaEngine::set_sampling(int slot, const SamplingParams& params) {
@@ -244,10 +250,11 @@ void CudaEngine::set_sampling(int slot, const SamplingParams& params) {
     throw std::invalid_argument(slot_context("set_sampling", slot) + " is out of range [0, " +
                                 std::to_string(max_slots_) + ")");
   }
-  if (const std::string why = sampling_params_error(params); !why.empty()) {
+  if (const std::string why = sampling_params_error(params, masks_.size()); !why.empty()) {
     throw std::invalid_argument(slot_context("set_sampling", slot) + ": " + why);
   }
   kernels::SlotSampling& s = params_[slot];
+  s.mask = params.mask;
   s.temperature = params.temperature;
   s.top_k = params.top_k;
   s.top_p = params.top_p;

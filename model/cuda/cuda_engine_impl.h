@@ -18,6 +18,7 @@
 #include "kernels/sampling.cuh"
 #include "model/cuda/cuda_handle.h"
 #include "model/cuda/device_buffer.h"
+#include "model/cuda/device_masks.h"
 #include "model/cuda/device_weights.h"
 #include "model/cuda/profiling.h"
 #include "model/cuda/step_graph.h"
@@ -39,6 +40,7 @@ class CudaEngine final : public Engine, public CudaProfiling {
   std::string failure() const override { return failure_; }
   const ModelConfig& config() const override { return config_; }
   int max_slots() const override { return max_slots_; }
+  int sampling_mask_count() const override { return masks_.size(); }
   void reset(int slot) override;
   void set_sampling(int slot, const SamplingParams& params) override;
   void step(std::span<const int32_t> slots, std::span<const int32_t> tokens,
@@ -115,6 +117,8 @@ class CudaEngine final : public Engine, public CudaProfiling {
   DeviceBuffer params_dev_;  // SlotSampling [max_slots + 1]
   DeviceBuffer counters_;    // uint64 [max_slots + 1]
   DeviceBuffer last_token_;  // int32 [max_slots + 1]
+  DeviceMaskTable masks_;    // EngineOptions::sampling_masks, on the device from load
+  DeviceBuffer frame_positions_;  // int32 [max_slots + 1], read and advanced by the sampling kernel
   // Per queued step (kMaxQueuedSteps of each, by position in the queue's ring): the table
   // and sampling parameters it copies to the device (a later step's host side must not
   // change them before the copies run), its ids (written by the sampling kernels of the

@@ -12,6 +12,7 @@
 #include "kernels/launch.cuh"
 #include "kernels/mimo_step.cuh"
 #include "kernels/sampling.cuh"
+#include "kernels/token_mask.h"
 #include "model/config.h"
 #include "model/cuda/device_weights.h"
 #include "model/cuda/profiling.h"
@@ -46,6 +47,9 @@ struct StepBuffers {
   kernels::SlotSampling* sampling = nullptr;  // [slots + 1]
   uint64_t* counters = nullptr;               // [slots + 1]
   int32_t* last_token = nullptr;              // [slots + 1]
+  // Constrained sampling: the masks (n_masks 0: none) and each slot's frame position.
+  TokenMaskView masks;
+  int32_t* frame_positions = nullptr;  // [slots + 1]
   int max_bucket = 0;
   size_t table_ints() const { return 3 * static_cast<size_t>(max_bucket); }
 };

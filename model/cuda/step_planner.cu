@@ -200,6 +200,9 @@ void StepPlanner::plan_head(const Chain& chain, int batch, std::vector<kernels::
   s.params = buffers_.sampling;
   s.counters = buffers_.counters;
   s.last_token = buffers_.last_token;
+  s.masks = buffers_.masks;
+  s.tokens = chain.tokens;
+  s.frame_positions = buffers_.frame_positions;
   s.sampled = chain.sampled;
   s.batch = chain.rows;
   if (policy_.next_step_prefetch) {

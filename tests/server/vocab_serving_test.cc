@@ -427,7 +427,7 @@ TEST_F(VocabServing, ABackendWithoutMasksRefusesConstrainedSamplingNamingItself)
   sampling.set_allowed(v1::ALLOWED_TOKENS_UNITS);
   EXPECT_EQ(check_allowed_tokens(sampling, ctx, "sampling", &mask),
             "sampling.allowed needs a vocabulary layout (vocab.json) and this server has none");
-  resolve_allowed_tokens(&layout, masks, 0, "cuda", &ctx);  // what the CUDA engine reports today
+  resolve_allowed_tokens(&layout, masks, 0, "cuda", &ctx);  // a backend that applies no masks
   EXPECT_EQ(check_allowed_tokens(sampling, ctx, "config.sampling", &mask),
             "config.sampling.allowed = ALLOWED_TOKENS_UNITS: the cuda backend does not apply sampling masks yet; "
             "serve with --backend cpu for constrained sampling");
