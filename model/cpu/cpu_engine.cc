@@ -599,9 +599,14 @@ void CpuEngine::prefill(std::span<const PrefillRun> runs, std::span<int32_t> sam
       const PrefillRun& r = runs[static_cast<size_t>(b)];
       const size_t slot = static_cast<size_t>(r.slot);
       const std::span<const float> row(logits_.data() + b * V_, static_cast<size_t>(V_));
-      sampled[static_cast<size_t>(b)] =
-          sample_token(row, config_.vocab_size, params_[slot], counter_[slot] + r.tokens.size() - 1,
-                       sampling_scratch_[static_cast<size_t>(b)]);
+      const SamplingParams& p = params_[slot];
+      // After an input token the sample starts a frame (as in step()).
+      const std::span<const TokenRange> allowed =
+          p.mask >= 0 ? masks_.ranges(p.mask, 0) : std::span<const TokenRange>{};
+      const int32_t token = sample_token(row, config_.vocab_size, p, counter_[slot] + r.tokens.size() - 1,
+                                         sampling_scratch_[static_cast<size_t>(b)], allowed);
+      sampled[static_cast<size_t>(b)] = token;
+      frame_position_[slot] = p.mask >= 0 ? next_frame_position(masks_.view(), p.mask, 0, token) : 0;
     }
   });
   for (int b = 0; b < batch; ++b) {

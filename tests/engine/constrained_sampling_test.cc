@@ -198,6 +198,34 @@ TEST_F(ConstrainedEngineTest, TextMasksAndGreedy) {
     for (int32_t id : samples) ASSERT_TRUE(id < 100 || id >= 200) << id;
 }
 
+TEST_F(ConstrainedEngineTest, PrefillSamplesInsideTheMaskAsSteppingDoes) {
+  EngineOptions o;
+  o.max_slots = 4;
+  o.cpu_threads = 2;
+  o.sampling_masks = masks_;
+  auto stepped = make_cpu_engine(*weights_, o);
+  SamplingParams p{1.4f, 0, 1.0f, 9};
+  p.mask = mask("units_and_controls");
+  const std::vector<int32_t> prompt = {200, 5, 7, 201};
+  for (Engine* e : {engine_.get(), stepped.get()}) {
+    e->reset(1);
+    e->set_sampling(1, p);
+  }
+  int32_t a = -1, b = -1;
+  const PrefillRun run{1, prompt};
+  engine_->prefill({&run, 1}, {&a, 1});
+  const int32_t slot[] = {1};
+  for (int32_t t : prompt) stepped->step(slot, {&t, 1}, {&b, 1});
+  ASSERT_EQ(a, b);
+  const int32_t cont[] = {kContinueToken};
+  for (int t = 0; t < 60; ++t) {  // the frame positions continue alike
+    engine_->step(slot, cont, {&a, 1});
+    stepped->step(slot, cont, {&b, 1});
+    ASSERT_EQ(a, b) << "step " << t;
+    ASSERT_TRUE(layout_.speech_units->contains(a) || layout_.control_name(a) != nullptr) << a;
+  }
+}
+
 TEST_F(ConstrainedEngineTest, AMaskTheEngineDoesNotHaveIsRefused) {
   SamplingParams p;
   p.mask = 4;
