@@ -578,7 +578,7 @@ int fused_cluster(const MimoStepArgs& a, int p_blocks) {
 
 // Blocks per head with out_proj fused (0: it cannot be). Each block takes 16 of the head's
 // rows with 8 warps (one 16-column group of a 128-column state each); clusters of blocks
-// sum their products before the atomics, eight times fewer of them. Why 16-row blocks with
+// sum their products before the atomics, so there are fewer of them. Why 16-row blocks with
 // the columns in registers: a whole head's columns (114 KB) do not fit in the RTX 5090's
 // shared memory, and blocks staging their columns in shared memory made the
 // multiprocessors drain to change their L1 / shared split beside the gemvs; these keep the

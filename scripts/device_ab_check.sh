@@ -5,8 +5,8 @@
 #   here:           scripts/device_ab_check.sh pack        -> .device/ab/{old,new}/*.gz, .device/golden/
 #   on the machine: scripts/device_ab_check.sh run [ROUNDS]  (device run, carry .device)
 #                   scripts/device_ab_check.sh variants      (a second call: each fits in 10 minutes)
-# pack builds m3bench and m3check for sm_90 without the server (OLD from a git worktree of
-# OLD_REF under build-ab-old, NEW under build-ab-new; ccache makes rebuilds cheap) and
+# pack builds m3bench and m3check for sm_90 without the server (OLD from OLD_REF's tree
+# under build-ab-old, NEW under build-ab-new; ccache makes rebuilds cheap) and
 # gzips them into .device/ab/ (the carried tree is limited to 64 MiB).
 # run, ROUNDS times (default 4), OLD then NEW (NEW first in even rounds): m3bench decode at
 # batches 1-64 (s2s-14l, bf16); then m3check on each golden case, fp32 and bf16, side by
@@ -55,12 +55,10 @@ rows() { awk 'NF == 11 && $1 ~ /^[0-9]+$/ && $4 ~ /^[0-9.]+$/ {print $1, $4, $3}
 
 case $MODE in
 pack)
+  # OLD's sources as a plain tree (no worktree registered in the repository).
   old_src=$ROOT/build-ab-old/src
-  if [[ ! -d $old_src ]]; then
-    git -C "$ROOT" worktree add --detach "$old_src" "$OLD_REF" || exit 1
-  else
-    git -C "$old_src" checkout --detach "$OLD_REF" || exit 1
-  fi
+  rm -rf "$old_src" && mkdir -p "$old_src" || exit 1
+  git -C "$ROOT" archive "$OLD_REF" | tar -x -C "$old_src" || exit 1
   build "$old_src" "$ROOT/build-ab-old/build" || exit 1
   build "$ROOT" "$ROOT/build-ab-new" || exit 1
   for side in old new; do

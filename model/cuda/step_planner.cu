@@ -1,6 +1,7 @@
 #include "model/cuda/step_plan.h"
 
 #include <algorithm>
+#include <string>
 
 #include "kernels/embedding.cuh"
 
@@ -215,7 +216,9 @@ void StepPlanner::plan_head(const Chain& chain, int batch, std::vector<kernels::
     s.prefetch = {static_cast<const char*>(weights_.layers[0].in_proj) + from, to - from};
     s.prefetch_blocks = kernels::multiprocessor_count();
   }
-  out.push_back(kernels::plan_sampling(s));
+  out.push_back(kernels::plan_sampling(s).described(
+      s.prefetch_blocks > 0 ? "+ " + std::to_string(s.prefetch_blocks) + " blocks pulling the next step's first weights"
+                            : ""));
 }
 
 }  // namespace m3::cuda

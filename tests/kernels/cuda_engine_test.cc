@@ -34,6 +34,25 @@ TEST(CudaEngineNoDevice, FailsClearlyWithoutADevice) {
   EXPECT_NE(msg.find("device 0 requested, 0 visible"), std::string::npos) << msg;
 }
 
+// The plan report as m3bench --plan prints it: consecutive launches of one kernel and
+// variant counted once, every chain on its own line. (Host only: runs without a device.)
+TEST(StepPlanReport, SaysEachChainsKernelsCountingRepeats) {
+  cuda::StepPlanReport r;
+  r.bucket = 32;
+  r.variant = cuda::StepVariant{false, true, 0, 0};
+  const cuda::PlannedKernel in_proj{"in_proj", "tensor cores, 128-row blocks, batch tile 16, cluster 4, chunk 7"};
+  const cuda::PlannedKernel rec{"mimo_step_tc", "tensor cores, 2 warps a row tile, plain state loads, trigger 1"};
+  const cuda::PlannedKernel sampling{"sampling", ""};
+  r.chains = {{in_proj, rec, in_proj, rec, sampling}, {in_proj, in_proj, sampling}};
+  EXPECT_EQ(cuda::to_string(r),
+            "bucket 32: 2 chains, out_proj separate, embedding gathered\n"
+            "  chain 0: in_proj [tensor cores, 128-row blocks, batch tile 16, cluster 4, chunk 7], mimo_step_tc "
+            "[tensor cores, 2 warps a row tile, plain state loads, trigger 1], in_proj [tensor cores, 128-row blocks, "
+            "batch tile 16, cluster 4, chunk 7], mimo_step_tc [tensor cores, 2 warps a row tile, plain state loads, "
+            "trigger 1], sampling\n"
+            "  chain 1: in_proj [tensor cores, 128-row blocks, batch tile 16, cluster 4, chunk 7] x2, sampling\n");
+}
+
 struct Variant {
   const char* name;
   void (*tweak)(ModelConfig&);

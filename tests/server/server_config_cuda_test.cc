@@ -9,15 +9,16 @@
 namespace m3 {
 namespace {
 
-template <typename F>
-std::string error_of(F&& f) {
-  return test::error_of<std::invalid_argument>(f);
+// The policy a `cuda:` section (its lines, indented under it) sets, validated; refusals
+// are std::invalid_argument.
+CudaPolicy policy_of(const std::string& section) {
+  ServerConfig c = parse_server_config_yaml("cuda:\n" + section, "server.yaml");
+  c.validate();
+  return c.cuda;
 }
 
-ServerConfig from_yaml(const std::string& text) {
-  ServerConfig c = parse_server_config_yaml(text, "server.yaml");
-  c.validate();
-  return c;
+std::string refusal_of(const std::string& section) {
+  return test::error_of<std::invalid_argument>([&] { policy_of(section); });
 }
 
 TEST(ServerConfigCudaTest, TheShippedFileSaysTheDefaults) {
@@ -26,8 +27,7 @@ TEST(ServerConfigCudaTest, TheShippedFileSaysTheDefaults) {
 }
 
 TEST(ServerConfigCudaTest, NestedKeysReachTheirFields) {
-  const ServerConfig c = from_yaml(
-      "cuda:\n"
+  const CudaPolicy p = policy_of(
       "  pdl: false\n"
       "  chains: 2\n"
       "  step_variants:\n"
@@ -42,18 +42,18 @@ TEST(ServerConfigCudaTest, NestedKeysReachTheirFields) {
       "    state_load: plain\n"
       "    trigger: after_norms\n"
       "    tc_column_split: planned\n");
-  EXPECT_FALSE(c.cuda.pdl);
-  EXPECT_EQ(c.cuda.chains, 2);
-  EXPECT_EQ(c.cuda.step_variants.out_proj_fused, Tuned::Off);
-  EXPECT_EQ(c.cuda.step_variants.batch2_gemv, Batch2Gemv::CudaCores);
-  EXPECT_EQ(c.cuda.step_variants.fused_cluster, 4);
-  EXPECT_EQ(c.cuda.gemv.trigger, kernels::PdlTrigger::AfterWait);
-  EXPECT_EQ(c.cuda.gemv.row_block_cluster, 8);
-  EXPECT_EQ(c.cuda.gemv.row_block_min_batch, 0);
-  EXPECT_EQ(c.cuda.recurrence.state_load, kernels::StateLoad::Plain);
-  EXPECT_EQ(c.cuda.recurrence.trigger, kernels::RecurrenceTrigger::AfterNorms);
-  EXPECT_EQ(c.cuda.recurrence.tc_column_split, 0);
-  EXPECT_TRUE(c.cuda.next_step_prefetch);  // untouched keys keep their defaults
+  EXPECT_FALSE(p.pdl);
+  EXPECT_EQ(p.chains, 2);
+  EXPECT_EQ(p.step_variants.out_proj_fused, Tuned::Off);
+  EXPECT_EQ(p.step_variants.batch2_gemv, Batch2Gemv::CudaCores);
+  EXPECT_EQ(p.step_variants.fused_cluster, 4);
+  EXPECT_EQ(p.gemv.trigger, kernels::PdlTrigger::AfterWait);
+  EXPECT_EQ(p.gemv.row_block_cluster, 8);
+  EXPECT_EQ(p.gemv.row_block_min_batch, 0);
+  EXPECT_EQ(p.recurrence.state_load, kernels::StateLoad::Plain);
+  EXPECT_EQ(p.recurrence.trigger, kernels::RecurrenceTrigger::AfterNorms);
+  EXPECT_EQ(p.recurrence.tc_column_split, 0);
+  EXPECT_TRUE(p.next_step_prefetch);  // untouched keys keep their defaults
 }
 
 TEST(ServerConfigCudaTest, FlagsAreTheKeyPathsJoinedWithDashes) {
@@ -69,22 +69,19 @@ TEST(ServerConfigCudaTest, FlagsAreTheKeyPathsJoinedWithDashes) {
 }
 
 TEST(ServerConfigCudaTest, BadKeysAndValuesAreRefusedNamingThem) {
-  EXPECT_EQ(error_of([] { from_yaml("cuda:\n  gemv:\n    rows: 2\n"); }).substr(0, 45),
-            "server.yaml: unknown key 'cuda.gemv.rows' (kn");
-  EXPECT_EQ(error_of([] { from_yaml("cuda:\n  pdl: maybe\n"); }),
-            "server.yaml: key 'cuda.pdl': expected true or false, got 'maybe'");
-  EXPECT_EQ(error_of([] { from_yaml("cuda:\n  recurrence:\n    state_load: fast\n"); }),
+  EXPECT_EQ(refusal_of("  gemv:\n    rows: 2\n").substr(0, 45), "server.yaml: unknown key 'cuda.gemv.rows' (kn");
+  EXPECT_EQ(refusal_of("  pdl: maybe\n"), "server.yaml: key 'cuda.pdl': expected true or false, got 'maybe'");
+  EXPECT_EQ(refusal_of("  recurrence:\n    state_load: fast\n"),
             "server.yaml: key 'cuda.recurrence.state_load': expected planned, plain or streamed, got 'fast'");
-  EXPECT_EQ(error_of([] { from_yaml("cuda:\n  chains: 7\n"); }),
-            "cuda.chains must be 0 (planned) or 1 to 4, got 7");
-  EXPECT_EQ(error_of([] { from_yaml("cuda:\n  gemv:\n    row_block_cluster: 3\n"); }),
+  EXPECT_EQ(refusal_of("  chains: 7\n"), "cuda.chains must be 0 (planned) or 1 to 4, got 7");
+  EXPECT_EQ(refusal_of("  gemv:\n    row_block_cluster: 3\n"),
             "cuda.gemv.row_block_cluster must be 0 (planned), 2, 4 or 8, got 3");
-  EXPECT_EQ(error_of([] { from_yaml("cuda:\n  gemv:\n    batch1_rows_per_warp: 1\n"); }),
-            "cuda.gemv.batch1_rows_per_warp must be 2 or 4, got 1");
-  EXPECT_EQ(error_of([] { from_yaml("cuda: 3\n"); }), "server.yaml: key 'cuda': expected a mapping of settings");
-  EXPECT_EQ(error_of([] { parse_command_line({"--cuda-chains", "two"}, ""); }),
+  EXPECT_EQ(refusal_of("  gemv:\n    batch1_rows_per_warp: 1\n"), "cuda.gemv.batch1_rows_per_warp must be 2 or 4, got 1");
+  EXPECT_EQ(test::error_of<std::invalid_argument>([] { parse_server_config_yaml("cuda: 3\n", "server.yaml"); }),
+            "server.yaml: key 'cuda': expected a mapping of settings");
+  EXPECT_EQ(test::error_of<std::invalid_argument>([] { parse_command_line({"--cuda-chains", "two"}, ""); }),
             "--cuda-chains: expected an integer or planned, got 'two'");
-  EXPECT_EQ(error_of([] { parse_command_line({"--cuda-gemv-rows", "2"}, ""); }),
+  EXPECT_EQ(test::error_of<std::invalid_argument>([] { parse_command_line({"--cuda-gemv-rows", "2"}, ""); }),
             "unknown flag '--cuda-gemv-rows' (see --help)");
 }
 
