@@ -12,6 +12,7 @@ M3_PACKAGES=(
   libsentencepiece-dev sentencepiece
   libspdlog-dev prometheus-cpp-dev libyaml-cpp-dev nlohmann-json3-dev
   libgtest-dev libgmock-dev
+  libxxhash-dev libhiredis-dev redis-server
 )
 
 m3_install_packages() {
