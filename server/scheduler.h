@@ -49,6 +49,7 @@
 #include <vector>
 
 #include "model/engine.h"
+#include "server/prefix_cache.h"
 #include "server/sequence.h"
 #include "server/stalled_streams.h"
 #include "server/stream_flusher.h"
@@ -79,6 +80,9 @@ struct SchedulerOptions {
   // Where every stream the scheduler closes is handed over until its call is done (may be
   // null).
   StalledStreams* stalled_streams = nullptr;
+  // States kept at token boundaries of first inputs, to start later prompts from (null:
+  // none; engine thread only).
+  PrefixStateCache* prefix_cache = nullptr;
 };
 
 class Scheduler {
@@ -135,6 +139,11 @@ class Scheduler {
     std::vector<int32_t> feed;  // this turn's input; feed[fed] is the next to feed
     size_t fed = 0;
     bool reply_requested = false;
+    bool save_requested = false;  // a request_save() marker was taken: save once fed
+    bool save_pending = false;     // saved; its input waits until the store answers (take_saved)
+    bool shutdown_saving = false;  // saved for a shutdown: its handler ends it
+    bool cacheable = false;  // the state is feed[0, fed) read from a fresh state (prefix cache)
+    uint64_t state_tokens = 0;    // tokens the slot's state covers (snapshots)
     uint32_t reply_max_new = 0;
     bool has_sample = false;  // last_sample was sampled after the last fed token
     int32_t last_sample = 0;
@@ -170,6 +179,12 @@ class Scheduler {
   void admit_waiting(Clock::time_point now);
   void service_slot(int slot, Clock::time_point now);
   void pull_input(Slot& s);
+  // Hands the slot's state to its sequence's on_state_saved (snapshots).
+  void save_state(int slot, bool for_shutdown = false);
+  // Prefix cache: a fresh slot's input starts from the longest kept prefix; the states at
+  // the boundaries the last submitted step reached are kept.
+  void start_from_cached_prefix(int slot);
+  void keep_prefix_states();
   static void become_idle(Slot& s, Clock::time_point now);
   // When this slot's session runs out of idle time; max() when it is not an idle session.
   Clock::time_point idle_deadline(const Slot& s) const;
@@ -206,6 +221,7 @@ class Scheduler {
   SubmittedStep prefill_entries_;
   std::vector<std::shared_ptr<Sequence>> wake_list_;  // writers to wake after this step
   std::vector<std::shared_ptr<Sequence>> admitted_, rejected_;
+  std::vector<std::pair<int, size_t>> prefix_saves_;  // slot, tokens: states to keep after submit
   uint64_t graph_replays_seen_ = 0;
   int active_ = 0;
 
