@@ -7,6 +7,7 @@
 #include <exception>
 
 #include "server/metrics.h"
+#include "server/session_metrics.h"
 
 namespace m3 {
 namespace {
@@ -67,11 +68,19 @@ Scheduler::Admission Scheduler::submit(std::shared_ptr<Sequence> sequence) {
     if (!accepting_) return {StreamStatus::kUnavailable, kShuttingDownMessage};
     if (!engine_failure_.empty()) return {StreamStatus::kUnavailable, engine_unusable_message()};
     const int capacity = engine_.max_slots() + options_.queue_capacity;
-    if (in_flight_ >= capacity) {
+    if (sequence->params().session && options_.max_sessions > 0 && sessions_open_ >= options_.max_sessions) {
+      return {StreamStatus::kResourceExhausted, "server at capacity: " + std::to_string(sessions_open_) +
+                                                    " Converse sessions are open (max_sessions); retry later"};
+    }
+    if (in_flight_ - swapped_count_ >= capacity) {
       return {StreamStatus::kResourceExhausted,
               "server at capacity: all " + std::to_string(engine_.max_slots()) +
                   " slots are busy and " + std::to_string(options_.queue_capacity) +
                   " requests are already waiting (queue_capacity); retry later"};
+    }
+    if (sequence->params().session) {
+      ++sessions_open_;
+      if (options_.session_metrics) options_.session_metrics->set_open(static_cast<size_t>(sessions_open_));
     }
     waiting_.push_back(std::move(sequence));
     ++in_flight_;
@@ -129,6 +138,7 @@ void Scheduler::close_unadmitted(const std::shared_ptr<Sequence>& seq, StreamSta
   {
     std::lock_guard lock(mu_);
     --in_flight_;
+    note_session_closed_locked(*seq);
   }
   idle_cv_.notify_all();
 }
@@ -230,6 +240,7 @@ void Scheduler::admit_waiting(Clock::time_point now) {
 
 void Scheduler::shutdown_all_slots() {
   const Clock::time_point now = Clock::now();
+  while (!swapped_.empty()) close_swapped(swapped_.size() - 1, StreamStatus::kUnavailable, kShuttingDownMessage);
   for (int i = 0; i < static_cast<int>(slots_.size()); ++i) {
     Slot& s = slots_[i];
     if (!s.seq) continue;
@@ -307,15 +318,7 @@ void Scheduler::service_slot(int i, Clock::time_point now) {
     return;
   }
   if (!seq.input_changed()) {
-    if (now >= idle_deadline(s)) {
-      char limit[32];
-      std::snprintf(limit, sizeof limit, "%g",
-                    std::chrono::duration<double>(options_.session_idle_timeout).count());
-      finish(i, StreamStatus::kDeadlineExceeded,
-             std::string("session idle: no input within ") + limit +
-                 " s (the server's session_idle_timeout_s) after " + std::to_string(s.turn) +
-                 " finished turns; the session ended and its slot was freed");
-    }
+    if (now >= idle_deadline(s)) finish(i, StreamStatus::kDeadlineExceeded, session_idle_message(s.turn));
     return;
   }
 
@@ -512,6 +515,7 @@ void Scheduler::finish(int i, StreamStatus status, std::string message, TokenOut
   {
     std::lock_guard lock(mu_);
     --in_flight_;
+    note_session_closed_locked(*seq);
   }
   idle_cv_.notify_all();
 }
@@ -711,6 +715,7 @@ void Scheduler::run() {
       if (stop_) break;
       draining_ = !accepting_;
     }
+    if (!swapped_.empty()) service_swapped(now);
     admit_waiting(now);
 
     // Token boundary: cancellations, deadlines and new input take effect here.
@@ -722,6 +727,10 @@ void Scheduler::run() {
       if (!slots_[i].seq) continue;
       next_idle_deadline = std::min(next_idle_deadline, idle_deadline(slots_[i]));
       schedule(i, step, now);
+    }
+    if (options_.session_swap_after > Clock::duration::zero()) {
+      swap_out_idle_sessions(now);
+      next_idle_deadline = std::min(next_idle_deadline, next_swap_due());
     }
     SubmittedStep& older = steps_[1 - newest_];
     bool prefilled = false;
@@ -760,7 +769,12 @@ void Scheduler::run() {
     std::unique_lock lock(mu_);
     // A slot freed in this pass may already serve a waiting request; an idle session's
     // time may run out while nothing else happens.
-    const auto woken = [&] { return wake_ || stop_ || (!waiting_.empty() && !free_slots_.empty()); };
+    // A swapped-out session whose input came may take a slot a swap-out just freed.
+    const bool swap_in_waits =
+        !free_slots_.empty() && std::any_of(swapped_.begin(), swapped_.end(), [](const SwappedSession& w) { return w.wants_in; });
+    const auto woken = [&] {
+      return wake_ || stop_ || swap_in_waits || (!waiting_.empty() && !free_slots_.empty());
+    };
     if (next_idle_deadline == Clock::time_point::max()) {
       cv_.wait(lock, woken);
     } else {

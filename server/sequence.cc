@@ -126,6 +126,11 @@ size_t Sequence::pending_input_tokens() {
   return pending_tokens_;
 }
 
+bool Sequence::input_waiting() {
+  std::lock_guard lock(input_mu_);
+  return !input_.empty() || input_closed_;
+}
+
 bool Sequence::input_closed_and_empty() {
   std::lock_guard lock(input_mu_);
   return input_closed_ && input_.empty();

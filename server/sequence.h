@@ -117,6 +117,7 @@ class Sequence {
   // that segment's end_turn and save info (both false when neither has arrived yet).
   InputSegment take_input(std::vector<int32_t>* feed);
   bool input_closed_and_empty();
+  bool input_waiting();  // input not taken yet, or the input closed
   bool cancel_requested() const { return cancel_requested_.load(std::memory_order_acquire); }
   StreamStatus cancel_status();
   std::string cancel_message();

@@ -23,6 +23,7 @@
 #include "server/request_validation.h"
 #include "server/scheduler.h"
 #include "server/service_context.h"
+#include "server/session_metrics.h"
 #include "server/snapshot_metrics.h"
 #include "server/snapshot_service.h"
 #include "server/stalled_streams.h"
@@ -97,6 +98,10 @@ ServerApp::ServerApp(const ServerConfig& config, std::shared_ptr<spdlog::logger>
   scheduler_options.on_engine_unusable = [this](const std::string&) { report_not_serving(); };
   stalled_streams_ = std::make_unique<StalledStreams>();
   scheduler_options.stalled_streams = stalled_streams_.get();
+  scheduler_options.session_swap_after = from_seconds(config_.session_swap_after_s);
+  scheduler_options.max_sessions = config_.max_sessions;
+  session_metrics_ = std::make_unique<SessionMetrics>(metrics_->registry());
+  scheduler_options.session_metrics = session_metrics_.get();
   if (config_.prefix_cache) {
     try {
       engine_->slot_state_bytes();

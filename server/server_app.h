@@ -32,6 +32,7 @@ class RequestLog;
 class LibraryLogRoute;
 class M3ServeService;
 class PrefixStateCache;
+class SessionMetrics;
 class SnapshotMetrics;
 class SnapshotService;
 struct ServiceContext;
@@ -79,6 +80,7 @@ class ServerApp {
   std::unique_ptr<LibraryLogRoute> library_log_route_;
   std::unique_ptr<StalledStreams> stalled_streams_;  // (outlives the scheduler, which fills it)
   std::unique_ptr<PrefixStateCache> prefix_cache_;   // (outlives the scheduler, which uses it)
+  std::unique_ptr<SessionMetrics> session_metrics_;  // (likewise)
   std::unique_ptr<Scheduler> scheduler_;
   std::unique_ptr<ServiceContext> context_;
   // Snapshots: after the scheduler and the context, which its worker's tasks use.

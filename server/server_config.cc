@@ -78,6 +78,9 @@ const std::vector<Setting>& settings() {
        "tokens between the states the prefix cache keeps (and one at each prompt's end)"},
       {"prefix_cache_capacity_bytes", &ServerConfig::prefix_cache_capacity_bytes,
        "bytes of states the prefix cache keeps in host memory, least recently used out first"},
+      {"session_swap_after_s", &ServerConfig::session_swap_after_s,
+       "seconds a Converse session waits between turns before its state leaves its slot for host memory; 0: never"},
+      {"max_sessions", &ServerConfig::max_sessions, "Converse sessions open at once; 0: no limit"},
   };
   return kSettings;
 }
@@ -282,6 +285,11 @@ void ServerConfig::validate() const {
     throw std::invalid_argument("snapshot_ttl_s must be 0 (none) or between 0.001 s and a year, got " +
                                 std::to_string(snapshot_ttl_s));
   check_int("prefix_cache_interval", prefix_cache_interval, 1, 1 << 24);
+  if (!std::isfinite(session_swap_after_s) || session_swap_after_s < 0 || session_swap_after_s > 86400 ||
+      (session_swap_after_s > 0 && session_swap_after_s < 0.001))
+    throw std::invalid_argument("session_swap_after_s must be 0 (never) or between 0.001 and 86400 seconds, got " +
+                                std::to_string(session_swap_after_s));
+  check_int("max_sessions", max_sessions, 0, 10'000'000);
   if (prefix_cache_capacity_bytes < 1)
     throw std::invalid_argument("prefix_cache_capacity_bytes must be at least 1, got " +
                                 std::to_string(prefix_cache_capacity_bytes));

@@ -43,6 +43,8 @@ struct ServerConfig {
   bool prefix_cache = false;                 // keep states at prompt boundaries to start later prompts from
   int prefix_cache_interval = 256;           // a state kept every this many tokens of a first input
   int64_t prefix_cache_capacity_bytes = int64_t{1} << 30;  // LRU-evicted beyond this
+  double session_swap_after_s = 0;           // an idle session's state leaves its slot after this; 0 = never
+  int max_sessions = 0;                      // Converse sessions open at once; 0 = no limit
 
   // Throws std::invalid_argument naming the setting when a value is out of range.
   void validate() const;

@@ -30,7 +30,10 @@ TEST(SnapshotConfig, DefaultsKeepSnapshotsInMemoryAndTheCacheOff) {
 TEST(SnapshotConfig, ReadsYamlAndFlags) {
   const ServerConfig y = from_yaml(
       "snapshot_store: dir:/var/lib/m3/snapshots\nsnapshot_capacity_bytes: 8589934592\nsnapshot_ttl_s: 3600\n"
-      "prefix_cache: true\nprefix_cache_interval: 128\nprefix_cache_capacity_bytes: 4294967296\n");
+      "prefix_cache: true\nprefix_cache_interval: 128\nprefix_cache_capacity_bytes: 4294967296\n"
+      "session_swap_after_s: 2.5\nmax_sessions: 1000\n");
+  EXPECT_EQ(y.session_swap_after_s, 2.5);
+  EXPECT_EQ(y.max_sessions, 1000);
   EXPECT_EQ(y.snapshot_store, "dir:/var/lib/m3/snapshots");
   EXPECT_EQ(y.snapshot_capacity_bytes, int64_t{8} << 30);  // past 32 bits
   EXPECT_EQ(y.snapshot_ttl_s, 3600);
@@ -63,6 +66,9 @@ TEST(SnapshotConfig, BadValuesAreRefusedNamingTheSetting) {
             "prefix_cache_interval must be between 1 and 16777216, got 0");
   EXPECT_EQ(error_of([] { from_yaml("prefix_cache_capacity_bytes: 0\n"); }),
             "prefix_cache_capacity_bytes must be at least 1, got 0");
+  EXPECT_EQ(error_of([] { from_yaml("session_swap_after_s: -1\n"); }),
+            "session_swap_after_s must be 0 (never) or between 0.001 and 86400 seconds, got -1.000000");
+  EXPECT_EQ(error_of([] { from_yaml("max_sessions: -2\n"); }), "max_sessions must be between 0 and 10000000, got -2");
 }
 
 }  // namespace
