@@ -44,17 +44,6 @@ void Engine::submit_step(std::span<const int32_t> slots, std::span<const int32_t
   if (!slots.empty()) queue_push(slots.size());
 }
 
-namespace {
-[[noreturn]] void slot_state_unsupported(const Engine& e, const char* fn) {
-  throw std::logic_error(std::string(fn) + ": the " + std::string(e.backend()) +
-                         " engine cannot copy a slot's state yet (not supported on this backend yet)");
-}
-}  // namespace
-
-size_t Engine::slot_state_bytes() const { slot_state_unsupported(*this, "slot_state_bytes"); }
-void Engine::save_slot(int, std::span<std::byte>) { slot_state_unsupported(*this, "save_slot"); }
-void Engine::load_slot(int, std::span<const std::byte>) { slot_state_unsupported(*this, "load_slot"); }
-
 void Engine::collect_step(std::span<int32_t> sampled) {
   const std::vector<int32_t>& samples = queued_samples_[queue_position_for_collect(sampled)];
   std::copy(samples.begin(), samples.end(), sampled.begin());

@@ -127,11 +127,10 @@ class Engine {
   // backend and state format) leaves s bit-identical to the saved slot. Both apply in
   // order with the steps: save_slot sees what the steps submitted before it wrote, a load
   // is what the steps submitted after it read. Throw std::invalid_argument on a bad slot
-  // or a span of another size. (Not yet pure: the CUDA engine's copy lands with its
-  // restructure; until then the default refuses, saying so.)
-  virtual size_t slot_state_bytes() const;
-  virtual void save_slot(int slot, std::span<std::byte> out);
-  virtual void load_slot(int slot, std::span<const std::byte> in);
+  // or a span of another size.
+  virtual size_t slot_state_bytes() const = 0;
+  virtual void save_slot(int slot, std::span<std::byte> out) = 0;
+  virtual void load_slot(int slot, std::span<const std::byte> in) = 0;
 
 
   // Choices the engine made at load that operators may want to see (the CUDA engine: the

@@ -45,8 +45,7 @@ void SlotStateCopier::save(cudaStream_t step_stream, const SlotDeviceState& slot
   std::memcpy(out.data(), staged, bytes_);
 }
 
-SlotHostFlags SlotStateCopier::load(cudaStream_t step_stream, const SlotDeviceState& slot,
-                                    std::span<const std::byte> in, int vocab_size) {
+void SlotStateCopier::check(std::span<const std::byte> in, int vocab_size) const {
   if (in.size() != bytes_) {
     throw std::invalid_argument("load_slot: " + std::to_string(in.size()) + " bytes given, a slot's state is " +
                                 std::to_string(bytes_));
@@ -60,6 +59,14 @@ SlotHostFlags SlotStateCopier::load(cudaStream_t step_stream, const SlotDeviceSt
     throw std::invalid_argument("load_slot: not a slot state of this engine (token " + std::to_string(last) +
                                 ", flags " + std::to_string(has_sample) + "/" + std::to_string(parity) + ")");
   }
+}
+
+SlotHostFlags SlotStateCopier::load(cudaStream_t step_stream, const SlotDeviceState& slot,
+                                    std::span<const std::byte> in, int vocab_size) {
+  check(in, vocab_size);
+  const std::byte* tail = in.data() + sizeof(float) * state_floats_;
+  const auto has_sample = static_cast<uint8_t>(tail[sizeof(uint64_t) + sizeof(int32_t)]);
+  const auto parity = static_cast<uint8_t>(tail[sizeof(uint64_t) + sizeof(int32_t) + 1]);
   // The staging buffer may still feed the previous load's copy.
   if (load_pending_) M3_CUDA_CHECK(cudaEventSynchronize(copied_));
   auto* staged = staging_.as<std::byte>();

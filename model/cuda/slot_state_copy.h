@@ -45,7 +45,10 @@ class SlotStateCopier {
   // leave it; returns when the bytes are in `out`.
   void save(cudaStream_t step_stream, const SlotDeviceState& slot, SlotHostFlags flags,
             std::span<std::byte> out);
-  // Checks `in` (bytes() long; its token below `vocab_size`), then queues its copy into
+  // Throws std::invalid_argument unless `in` is bytes() long with a token below
+  // `vocab_size` and flags of 0 or 1 (no CUDA call: a refusal leaves the engine usable).
+  void check(std::span<const std::byte> in, int vocab_size) const;
+  // Checks `in` (check()), then queues its copy into
   // the slot after what `step_stream` has queued and makes `step_stream` wait for it.
   // Returns the flags the engine's host side takes for the slot.
   SlotHostFlags load(cudaStream_t step_stream, const SlotDeviceState& slot, std::span<const std::byte> in,

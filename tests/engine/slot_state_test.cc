@@ -10,7 +10,7 @@
 #include <stdexcept>
 #include <vector>
 
-#include "model/cpu_engine.h"
+#include "model/cpu/cpu_engine.h"
 #include "model/engine.h"
 #include "model/weights.h"
 #include "test_models.h"
