@@ -4,8 +4,14 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <nlohmann/json.hpp>
+
+#include <filesystem>
+#include <fstream>
+
 #include "model/engine.h"
 #include "server/prefix_cache.h"
+#include "server/tools/bench_serve.h"
 #include "server_test_support.h"
 
 namespace m3::test {
@@ -83,6 +89,29 @@ TEST(PrefixCacheServing, ASecondRequestSharingA2048TokenPrefixFeedsOnlyItsOwnTok
   params.temperature = 1.0f;
   params.seed = 5;
   EXPECT_EQ(generate(*server.stub, sampled).tokens, engine_generate(whole(b), max_new, params));
+}
+
+TEST(PrefixCacheServing, BenchServeSendsASharedPrefixThatTheCacheServes) {
+  ServerConfig config = test_config();
+  config.prefix_cache = true;
+  config.prefix_cache_interval = 100;
+  TestServer server(config);
+  const std::string json = (std::filesystem::temp_directory_path() /
+                            ("m3-bench-prefix-" + std::to_string(::getpid()) + ".json")).string();
+  std::vector<std::string> args = {"m3bench", "serve", "--server", "127.0.0.1:" + std::to_string(server.app->port()),
+                                   "--concurrency", "1", "--requests", "4", "--prompt-len", "4",
+                                   "--shared-prefix", "300", "--max-new-tokens", "2", "--json", json};
+  std::vector<char*> argv;
+  for (auto& a : args) argv.push_back(a.data());
+  const uint64_t before = server.app->engine().stats().tokens;
+  ASSERT_EQ(run_bench_serve(static_cast<int>(argv.size()), argv.data()), 0);
+  // The first request reads all 304 tokens; the others start from the state kept at 300.
+  EXPECT_EQ(server.app->engine().stats().tokens - before, 304u + 3 * 4 + 4 * (2 - 1));
+  std::ifstream file(json);
+  const auto report = nlohmann::json::parse(file);
+  EXPECT_EQ(report["shared_prefix"], 300);
+  EXPECT_EQ(report["ok"], 4);
+  std::filesystem::remove(json);
 }
 
 }  // namespace
