@@ -6,6 +6,7 @@
 // each of a set of slots and samples the next token for each of them.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <filesystem>
 #include <memory>
@@ -125,6 +126,18 @@ class Engine {
   virtual bool has_prefill_path() const { return false; }
 
   virtual EngineStats stats() const = 0;
+
+  // A slot's whole state as bytes: recurrent state, angles, k_prev, x_prev, the next step's
+  // input token (and whether there is one) and the random-draw counter; not the sampling
+  // parameters. load_slot(s, bytes saved from any slot of an engine with the same model,
+  // backend and state format) leaves s bit-identical to the saved slot. Both apply in
+  // order with the steps: save_slot sees what the steps submitted before it wrote, a load
+  // is what the steps submitted after it read. Throw std::invalid_argument on a bad slot
+  // or a span of another size.
+  virtual size_t slot_state_bytes() const = 0;
+  virtual void save_slot(int slot, std::span<std::byte> out) = 0;
+  virtual void load_slot(int slot, std::span<const std::byte> in) = 0;
+
 
   // Choices the engine made at load that operators may want to see (the CUDA engine: the
   // batch-1 and batch-2 step variants it measured fastest); empty when there are none.

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <filesystem>
+#include <map>
 #include <string>
 
 #include "model/config.h"
@@ -27,6 +28,8 @@ class ModelWeights {
   const TensorView& layer(int i, const std::string& suffix) const;
   // lm_head.weight, or the embedding when tied and lm_head.weight is not stored.
   const TensorView& lm_head() const;
+  // Every tensor of the checkpoint by name (a model's fingerprint hashes them all).
+  const std::map<std::string, const TensorView*>& all_tensors() const { return set_.tensors(); }
 
  private:
   ModelConfig config_;

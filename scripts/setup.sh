@@ -13,6 +13,7 @@ M3_PACKAGES=(
   libspdlog-dev prometheus-cpp-dev libyaml-cpp-dev nlohmann-json3-dev
   libgtest-dev libgmock-dev
   python3-grpcio python3-protobuf openssl
+  libxxhash-dev libhiredis-dev redis-server
 )
 
 m3_install_packages() {

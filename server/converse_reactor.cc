@@ -2,6 +2,8 @@
 
 #include "server/prompt_segments.h"
 #include "server/vocab_serving.h"
+#include "server/snapshot_calls.h"
+#include "server/snapshot_service.h"
 
 namespace m3 {
 
@@ -124,6 +126,15 @@ ConverseReactor::Handled ConverseReactor::handle(const v1::ConverseRequest& r) {
       ctx_.scheduler->wake();
       return Handled::kContinue;
     }
+    case v1::ConverseRequest::kSaveSnapshot: {
+      if (!seq_) {
+        fail("save_snapshot before the session has any input: there is no state to save");
+        return Handled::kStop;
+      }
+      seq_->request_save();
+      ctx_.scheduler->wake();
+      return Handled::kContinue;
+    }
     case v1::ConverseRequest::EVENT_NOT_SET:
       break;
   }
@@ -179,6 +190,16 @@ bool ConverseReactor::start_session() {
   params.end_of_reply_id = ctx_.end_of_reply_id;
   params.stop_token_ids.assign(config_.stop_token_ids().begin(), config_.stop_token_ids().end());
   params.deadline = steady_deadline(call_->deadline());
+  if (!config_.resume_snapshot_id().empty()) {
+    std::string error;
+    const StreamStatus status = load_snapshot(ctx_, config_.resume_snapshot_id(), &params.start_state, &error);
+    if (status != StreamStatus::kOk) {
+      complete(status, "resume_snapshot_id: " + error);
+      return false;
+    }
+  }
+  params.on_state_saved = saved_state_handler(ctx_);
+  params.save_on_shutdown = ctx_.snapshots != nullptr && ctx_.snapshots->persistent();
   auto seq = std::make_shared<Sequence>(std::move(params), ctx_.stream_buffer_tokens, this);
   bool cancelled = false;
   {
@@ -278,6 +299,9 @@ void ConverseReactor::OnDone() {
 void ConverseReactor::complete(StreamStatus status, const std::string& message) {
   final_status_ = status;  // recorded in OnDone
   final_message_ = message;
+  if (const std::shared_ptr<Sequence> seq = session()) {
+    if (std::string id = seq->shutdown_snapshot(); !id.empty()) call_->AddTrailingMetadata("m3-snapshot-id", id);
+  }
   Finish(to_grpc_status(status, message));
 }
 

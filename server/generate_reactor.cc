@@ -4,6 +4,7 @@
 
 #include "server/prompt_segments.h"
 #include "server/vocab_serving.h"
+#include "server/snapshot_calls.h"
 
 namespace m3 {
 
@@ -46,6 +47,13 @@ void GenerateReactor::start(const v1::GenerateRequest& request) {
   seed_ = params.sampling.seed;
   params.stop_token_ids.assign(request.stop_token_ids().begin(), request.stop_token_ids().end());
   params.deadline = steady_deadline(call_->deadline());
+  if (!request.prefix_snapshot_id().empty()) {
+    const StreamStatus status = load_snapshot(ctx_, request.prefix_snapshot_id(), &params.start_state, &error);
+    if (status != StreamStatus::kOk) {
+      complete(status, "prefix_snapshot_id: " + error);
+      return;
+    }
+  }
 
   // It never holds more unread tokens than it may generate.
   const size_t buffer = std::min<size_t>(ctx_.stream_buffer_tokens, request.max_new_tokens());

@@ -4,6 +4,7 @@
 #include "server/converse_reactor.h"
 #include "server/generate_reactor.h"
 #include "server/metrics.h"
+#include "server/snapshot_calls.h"
 
 namespace m3 {
 
@@ -16,6 +17,10 @@ grpc::Status to_grpc_status(StreamStatus status, const std::string& message) {
     case StreamStatus::kDeadlineExceeded: return {grpc::StatusCode::DEADLINE_EXCEEDED, message};
     case StreamStatus::kInternal: return {grpc::StatusCode::INTERNAL, message};
     case StreamStatus::kUnavailable: return {grpc::StatusCode::UNAVAILABLE, message};
+    case StreamStatus::kNotFound: return {grpc::StatusCode::NOT_FOUND, message};
+    case StreamStatus::kFailedPrecondition: return {grpc::StatusCode::FAILED_PRECONDITION, message};
+    case StreamStatus::kDataLoss: return {grpc::StatusCode::DATA_LOSS, message};
+    case StreamStatus::kUnimplemented: return {grpc::StatusCode::UNIMPLEMENTED, message};
   }
   return {grpc::StatusCode::UNKNOWN, message};
 }
@@ -121,6 +126,28 @@ grpc::ServerUnaryReactor* M3ServeService::GetModelInfo(grpc::CallbackServerConte
   *response = context_.model_info;
   auto* reactor = call->DefaultReactor();
   reactor->Finish(grpc::Status::OK);
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* M3ServeService::CreateSnapshot(grpc::CallbackServerContext* call,
+                                                         const v1::CreateSnapshotRequest* request,
+                                                         v1::SnapshotInfo* response) {
+  auto* reactor = call->DefaultReactor();
+  create_snapshot(context_, call, request, response, reactor);
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* M3ServeService::GetSnapshot(grpc::CallbackServerContext* call, const v1::SnapshotRef* request,
+                                                      v1::SnapshotInfo* response) {
+  auto* reactor = call->DefaultReactor();
+  get_snapshot(context_, request, response, reactor);
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* M3ServeService::DeleteSnapshot(grpc::CallbackServerContext* call,
+                                                         const v1::SnapshotRef* request, v1::SnapshotInfo* response) {
+  auto* reactor = call->DefaultReactor();
+  delete_snapshot(context_, request, response, reactor);
   return reactor;
 }
 

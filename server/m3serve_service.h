@@ -10,8 +10,11 @@
 
 namespace m3 {
 
+// Snapshot methods (snapshot_calls.h).
+using M3ServeSnapshotMethods = v1::M3Serve::WithCallbackMethod_CreateSnapshot<
+    v1::M3Serve::WithCallbackMethod_GetSnapshot<v1::M3Serve::WithCallbackMethod_DeleteSnapshot<v1::M3Serve::Service>>>;
 using M3ServeServiceBase = v1::M3Serve::WithRawCallbackMethod_Generate<
-    v1::M3Serve::WithRawCallbackMethod_Converse<v1::M3Serve::WithCallbackMethod_GetModelInfo<v1::M3Serve::Service>>>;
+    v1::M3Serve::WithRawCallbackMethod_Converse<v1::M3Serve::WithCallbackMethod_GetModelInfo<M3ServeSnapshotMethods>>>;
 
 class M3ServeService final : public M3ServeServiceBase {
  public:
@@ -23,6 +26,12 @@ class M3ServeService final : public M3ServeServiceBase {
   grpc::ServerUnaryReactor* GetModelInfo(grpc::CallbackServerContext* call,
                                          const v1::GetModelInfoRequest* request,
                                          v1::ModelInfo* response) override;
+  grpc::ServerUnaryReactor* CreateSnapshot(grpc::CallbackServerContext* call, const v1::CreateSnapshotRequest* request,
+                                           v1::SnapshotInfo* response) override;
+  grpc::ServerUnaryReactor* GetSnapshot(grpc::CallbackServerContext* call, const v1::SnapshotRef* request,
+                                        v1::SnapshotInfo* response) override;
+  grpc::ServerUnaryReactor* DeleteSnapshot(grpc::CallbackServerContext* call, const v1::SnapshotRef* request,
+                                           v1::SnapshotInfo* response) override;
 
  private:
   ServiceContext& context_;

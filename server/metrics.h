@@ -24,9 +24,10 @@ namespace m3 {
 class ServerMetrics {
  public:
   // The final statuses count_request() knows; any other string counts as "unknown".
-  static constexpr std::array<std::string_view, 8> kRequestStatuses = {
-      "ok",       "cancelled",   "invalid_argument", "resource_exhausted", "deadline_exceeded",
-      "internal", "unavailable", "unknown"};
+  static constexpr std::array<std::string_view, 12> kRequestStatuses = {
+      "ok",          "cancelled", "invalid_argument",    "resource_exhausted", "deadline_exceeded",
+      "internal",    "unavailable", "not_found",         "failed_precondition", "data_loss",
+      "unimplemented", "unknown"};
 
   // bind_address: "host:port" for the /metrics exposer (port 0: any free port), or "" for
   // none. Throws std::runtime_error when it cannot listen there.
@@ -55,6 +56,9 @@ class ServerMetrics {
 
   // The port the exposer listens on (the real one when 0 was asked); 0 without one.
   int exposer_port() const;
+
+  // Where other parts register their series (the snapshot store's).
+  prometheus::Registry& registry() { return *registry_; }
 
  private:
   std::shared_ptr<prometheus::Registry> registry_;

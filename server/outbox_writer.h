@@ -78,6 +78,14 @@ class OutboxWriter {
           fill_turn_end(item.turn_end, &response_);
           write(wire(response_));
           return;
+        case TokenOutbox::Item::kSnapshotSaved:
+          if (write_failed_) continue;
+          if constexpr (requires(Response r) { r.mutable_snapshot_saved(); }) {
+            response_.mutable_snapshot_saved()->set_snapshot_id(item.snapshot_id);
+            write(wire(response_));
+            return;
+          }
+          continue;
         case TokenOutbox::Item::kClosed:
           close(item.status, item.message);
           return;

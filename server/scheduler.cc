@@ -7,6 +7,7 @@
 #include <exception>
 
 #include "server/metrics.h"
+#include "server/session_metrics.h"
 
 namespace m3 {
 namespace {
@@ -45,6 +46,7 @@ Scheduler::Scheduler(Engine& engine, SchedulerOptions options, ServerMetrics* me
   prefill_entries_.entries.reserve(n);
   wake_list_.reserve(static_cast<size_t>(n + options.queue_capacity) + 16);
   admitted_.reserve(n);
+  prefix_saves_.reserve(n);
   rejected_.reserve(static_cast<size_t>(options.queue_capacity) + 1);
   graph_replays_seen_ = engine.stats().graph_replays;
   thread_ = std::thread([this] { run(); });
@@ -66,11 +68,19 @@ Scheduler::Admission Scheduler::submit(std::shared_ptr<Sequence> sequence) {
     if (!accepting_) return {StreamStatus::kUnavailable, kShuttingDownMessage};
     if (!engine_failure_.empty()) return {StreamStatus::kUnavailable, engine_unusable_message()};
     const int capacity = engine_.max_slots() + options_.queue_capacity;
-    if (in_flight_ >= capacity) {
+    if (sequence->params().session && options_.max_sessions > 0 && sessions_open_ >= options_.max_sessions) {
+      return {StreamStatus::kResourceExhausted, "server at capacity: " + std::to_string(sessions_open_) +
+                                                    " Converse sessions are open (max_sessions); retry later"};
+    }
+    if (in_flight_ - swapped_count_ >= capacity) {
       return {StreamStatus::kResourceExhausted,
               "server at capacity: all " + std::to_string(engine_.max_slots()) +
                   " slots are busy and " + std::to_string(options_.queue_capacity) +
                   " requests are already waiting (queue_capacity); retry later"};
+    }
+    if (sequence->params().session) {
+      ++sessions_open_;
+      if (options_.session_metrics) options_.session_metrics->set_open(static_cast<size_t>(sessions_open_));
     }
     waiting_.push_back(std::move(sequence));
     ++in_flight_;
@@ -128,6 +138,7 @@ void Scheduler::close_unadmitted(const std::shared_ptr<Sequence>& seq, StreamSta
   {
     std::lock_guard lock(mu_);
     --in_flight_;
+    note_session_closed_locked(*seq);
   }
   idle_cv_.notify_all();
 }
@@ -186,9 +197,11 @@ void Scheduler::admit_waiting(Clock::time_point now) {
       continue;
     }
     const int i = free_slots_.back();
+    const SequenceState* start = seq->params().start_state.get();
     try {
       engine_.reset(i);
       engine_.set_sampling(i, seq->params().sampling);
+      if (start != nullptr) engine_.load_slot(i, start->bytes);
     } catch (const std::exception& e) {
       log_->error("engine could not start a sequence in slot {}: {}", i, e.what());
       close_unadmitted(seq, StreamStatus::kInternal, std::string("engine error: ") + e.what());
@@ -202,8 +215,14 @@ void Scheduler::admit_waiting(Clock::time_point now) {
     s.feed.clear();
     s.fed = 0;
     s.reply_requested = false;
+    s.save_requested = false;
+    s.save_pending = false;
+    s.shutdown_saving = false;
+    s.cacheable = options_.prefix_cache != nullptr && start == nullptr;
     s.reply_max_new = 0;
-    s.has_sample = false;
+    s.has_sample = start != nullptr && start->last_sample >= 0;
+    s.last_sample = start != nullptr ? start->last_sample : 0;
+    s.state_tokens = start != nullptr ? start->tokens : 0;
     s.generated = 0;
     s.scheduled = 0;
     s.in_flight = 0;
@@ -221,6 +240,7 @@ void Scheduler::admit_waiting(Clock::time_point now) {
 
 void Scheduler::shutdown_all_slots() {
   const Clock::time_point now = Clock::now();
+  while (!swapped_.empty()) close_swapped(swapped_.size() - 1, StreamStatus::kUnavailable, kShuttingDownMessage);
   for (int i = 0; i < static_cast<int>(slots_.size()); ++i) {
     Slot& s = slots_[i];
     if (!s.seq) continue;
@@ -235,17 +255,21 @@ void Scheduler::shutdown_all_slots() {
 }
 
 void Scheduler::pull_input(Slot& s) {
-  if (s.reply_requested) return;  // the rest belongs to later turns
+  // The rest belongs to later turns, or comes after the save (answered first).
+  if (s.reply_requested || s.save_requested || s.save_pending) return;
   if (s.fed == s.feed.size()) {
+    if (s.fed > 0) s.cacheable = false;  // feed no longer holds every token of the state
     s.feed.clear();
     s.fed = 0;
   }
   Sequence::InputSegment seg = s.seq->take_input(&s.feed);
+  if (s.cacheable && s.state_tokens == 0 && s.fed < s.feed.size()) start_from_cached_prefix(static_cast<int>(&s - slots_.data()));
   if (seg.end_turn) {
     s.reply_requested = true;
     s.reply_max_new = seg.max_new_tokens;
     if (s.seq->params().session) s.turn_start = seg.end_turn_time;
   }
+  s.save_requested = seg.save;
   if (s.fed < s.feed.size()) s.phase = Phase::kFeeding;
 }
 
@@ -262,14 +286,28 @@ void Scheduler::service_slot(int i, Clock::time_point now) {
                " generated tokens");
     return;
   }
+  while (true) {  // snapshots stored for it since the last boundary, in order with its tokens
+    std::string saved = seq.take_saved();
+    if (saved.empty()) break;
+    if (seq.outbox().snapshot_saved(std::move(saved))) wake_writer(s.seq);
+    s.save_pending = false;
+    seq.mark_input_changed();  // what was sent after the save
+  }
   // Shutting down, a session between turns (idle, none of its input left to feed) has
   // nothing to finish: it ends now rather than holding the shutdown for its whole grace
   // period (docker stop's SIGKILL came first with the defaults). One with input or a
   // reply under way gets the grace. A step still in flight for it is dropped, as for a
   // cancellation.
   if (draining_ && seq.params().session && s.phase == Phase::kIdle && s.fed >= s.feed.size() &&
-      seq.pending_input_tokens() == 0) {
-    finish(i, StreamStatus::kUnavailable, kShuttingDownMessage);
+      seq.pending_input_tokens() == 0 && !s.save_requested && !s.save_pending) {
+    // With a persistent store it is saved first (once its last token is in the state);
+    // the save's handler ends it, naming the snapshot.
+    if (!seq.params().save_on_shutdown) {
+      finish(i, StreamStatus::kUnavailable, kShuttingDownMessage);
+    } else if (!s.shutdown_saving && s.in_flight == 0) {
+      s.shutdown_saving = true;
+      save_state(i, /*for_shutdown=*/true);
+    }
     return;
   }
   if (s.phase == Phase::kReplying) return;
@@ -280,20 +318,17 @@ void Scheduler::service_slot(int i, Clock::time_point now) {
     return;
   }
   if (!seq.input_changed()) {
-    if (now >= idle_deadline(s)) {
-      char limit[32];
-      std::snprintf(limit, sizeof limit, "%g",
-                    std::chrono::duration<double>(options_.session_idle_timeout).count());
-      finish(i, StreamStatus::kDeadlineExceeded,
-             std::string("session idle: no input within ") + limit +
-                 " s (the server's session_idle_timeout_s) after " + std::to_string(s.turn) +
-                 " finished turns; the session ended and its slot was freed");
-    }
+    if (now >= idle_deadline(s)) finish(i, StreamStatus::kDeadlineExceeded, session_idle_message(s.turn));
     return;
   }
 
   pull_input(s);
   if (s.fed < s.feed.size()) return;  // feeding goes on in the next step
+  while (s.save_requested) {  // all input before the save is in the state
+    save_state(i);
+    pull_input(s);
+    if (s.fed < s.feed.size()) return;
+  }
   if (s.reply_requested) {
     if (!s.has_sample) {
       finish(i, StreamStatus::kInvalidArgument, "end_turn with no input tokens to reply to");
@@ -306,7 +341,59 @@ void Scheduler::service_slot(int i, Clock::time_point now) {
     return;
   }
   become_idle(s, now);
-  if (seq.input_closed_and_empty()) finish(i, StreamStatus::kOk, "");
+  if (seq.input_closed_and_empty() && !s.save_pending) finish(i, StreamStatus::kOk, "");
+}
+
+void Scheduler::save_state(int i, bool for_shutdown) {
+  Slot& s = slots_[i];
+  s.save_requested = false;
+  SequenceState state;
+  state.for_shutdown = for_shutdown;
+  state.tokens = s.state_tokens;
+  state.last_sample = s.has_sample ? s.last_sample : -1;
+  try {
+    state.bytes.resize(engine_.slot_state_bytes());
+    engine_.save_slot(i, state.bytes);
+  } catch (const std::exception& e) {
+    state.bytes.clear();
+    state.error = e.what();
+  }
+  if (!s.seq->params().on_state_saved) return;
+  s.save_pending = !for_shutdown;  // until the handler's deliver_saved() or cancellation
+  s.seq->params().on_state_saved(s.seq, std::move(state));
+}
+
+void Scheduler::start_from_cached_prefix(int i) {
+  Slot& s = slots_[i];
+  const PrefixStateCache::Entry* e = options_.prefix_cache->longest_prefix(s.feed);
+  if (e == nullptr) return;
+  try {
+    engine_.load_slot(i, e->state);
+  } catch (const std::exception& ex) {
+    log_->error("prefix cache: the engine refused a kept state for slot {}: {}", i, ex.what());
+    engine_.reset(i);
+    return;
+  }
+  s.fed = e->tokens.size();
+  s.state_tokens = s.fed;
+}
+
+void Scheduler::keep_prefix_states() {
+  for (const auto& [i, tokens] : prefix_saves_) {
+    const Slot& s = slots_[i];
+    if (!s.seq || tokens > s.feed.size()) continue;  // it left (a failed step)
+    const std::span<const int32_t> prefix(s.feed.data(), tokens);
+    if (options_.prefix_cache->contains(prefix)) continue;
+    std::vector<std::byte> state(engine_.slot_state_bytes());
+    try {
+      engine_.save_slot(i, state);
+    } catch (const std::exception& ex) {
+      log_->error("prefix cache: the engine could not save slot {}: {}", i, ex.what());
+      continue;
+    }
+    options_.prefix_cache->insert(prefix, std::move(state));
+  }
+  prefix_saves_.clear();
 }
 
 void Scheduler::become_idle(Slot& s, Clock::time_point now) {
@@ -430,6 +517,7 @@ void Scheduler::finish(int i, StreamStatus status, std::string message, TokenOut
   {
     std::lock_guard lock(mu_);
     --in_flight_;
+    note_session_closed_locked(*seq);
   }
   idle_cv_.notify_all();
 }
@@ -438,9 +526,13 @@ void Scheduler::schedule(int i, SubmittedStep& step, Clock::time_point now) {
   Slot& s = slots_[i];
   int32_t token;
   SampleUse use;
+  if (s.phase == Phase::kReplying) s.cacheable = false;  // replies are not prefixes to keep
   if (s.phase == Phase::kFeeding) {
     if (prefill_chunk_ > 0) return;  // read by prefill() instead
     token = s.feed[s.fed++];
+    if (s.cacheable && (s.fed % static_cast<size_t>(options_.prefix_cache->interval()) == 0 ||
+                        (s.fed == s.feed.size() && s.reply_requested)))
+      prefix_saves_.emplace_back(i, s.fed);
     ++s.turn_prompt_tokens;
     use = SampleUse::kKeep;
     if (s.fed == s.feed.size()) {
@@ -462,6 +554,7 @@ void Scheduler::schedule(int i, SubmittedStep& step, Clock::time_point now) {
     return;  // idle, or its reply ends with the sample in flight
   }
   ++s.in_flight;
+  ++s.state_tokens;
   step.entries.push_back({i, s.generation, use});
   step.slots.push_back(i);
   step.tokens.push_back(token);
@@ -564,7 +657,11 @@ void Scheduler::prefill(SubmittedStep& step) {
   for (const int i : prefill_order_) {
     if (budget == 0) break;
     const Slot& s = slots_[i];
-    const size_t n = std::min(budget, s.feed.size() - s.fed);
+    size_t n = std::min(budget, s.feed.size() - s.fed);
+    if (s.cacheable) {  // a run ends at the prefix cache's next boundary, where its state is kept
+      const size_t interval = static_cast<size_t>(options_.prefix_cache->interval());
+      n = std::min(n, interval - s.fed % interval);
+    }
     prefill_runs_.push_back({i, std::span<const int32_t>(s.feed).subspan(s.fed, n)});
     prefill_entries_.entries.push_back({i, s.generation, SampleUse::kKeep});
     budget -= n;
@@ -585,7 +682,11 @@ void Scheduler::prefill(SubmittedStep& step) {
     const int i = prefill_runs_[k].slot;
     Slot& s = slots_[i];
     s.fed += prefill_runs_[k].tokens.size();
+    s.state_tokens += prefill_runs_[k].tokens.size();
     s.turn_prompt_tokens += static_cast<uint32_t>(prefill_runs_[k].tokens.size());
+    if (s.cacheable && (s.fed % static_cast<size_t>(options_.prefix_cache->interval()) == 0 ||
+                        (s.fed == s.feed.size() && s.reply_requested)))
+      prefix_saves_.emplace_back(i, s.fed);
     s.has_sample = true;
     s.last_sample = prefill_sampled_[k];
     if (s.fed < s.feed.size()) continue;  // the rest in the next iterations
@@ -616,6 +717,7 @@ void Scheduler::run() {
       if (stop_) break;
       draining_ = !accepting_;
     }
+    if (!swapped_.empty()) service_swapped(now);
     admit_waiting(now);
 
     // Token boundary: cancellations, deadlines and new input take effect here.
@@ -627,6 +729,10 @@ void Scheduler::run() {
       if (!slots_[i].seq) continue;
       next_idle_deadline = std::min(next_idle_deadline, idle_deadline(slots_[i]));
       schedule(i, step, now);
+    }
+    if (options_.session_swap_after > Clock::duration::zero()) {
+      swap_out_idle_sessions(now);
+      next_idle_deadline = std::min(next_idle_deadline, next_swap_due());
     }
     SubmittedStep& older = steps_[1 - newest_];
     bool prefilled = false;
@@ -640,9 +746,11 @@ void Scheduler::run() {
       }
       prefill(step);
       prefilled = true;
+      if (!prefix_saves_.empty()) keep_prefix_states();  // before this step moves the states on
     }
     const bool submitted = step.size() > 0;
     if (submitted) submit(step);
+    if (!prefix_saves_.empty()) keep_prefix_states();
     const bool collected = queued_ || prefilled;
     if (queued_) {
       collect(older, submitted ? &step : nullptr);
@@ -663,7 +771,12 @@ void Scheduler::run() {
     std::unique_lock lock(mu_);
     // A slot freed in this pass may already serve a waiting request; an idle session's
     // time may run out while nothing else happens.
-    const auto woken = [&] { return wake_ || stop_ || (!waiting_.empty() && !free_slots_.empty()); };
+    // A swapped-out session whose input came may take a slot a swap-out just freed.
+    const bool swap_in_waits =
+        !free_slots_.empty() && std::any_of(swapped_.begin(), swapped_.end(), [](const SwappedSession& w) { return w.wants_in; });
+    const auto woken = [&] {
+      return wake_ || stop_ || swap_in_waits || (!waiting_.empty() && !free_slots_.empty());
+    };
     if (next_idle_deadline == Clock::time_point::max()) {
       cv_.wait(lock, woken);
     } else {

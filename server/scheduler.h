@@ -49,6 +49,7 @@
 #include <vector>
 
 #include "model/engine.h"
+#include "server/prefix_cache.h"
 #include "server/sequence.h"
 #include "server/stalled_streams.h"
 #include "server/stream_flusher.h"
@@ -60,6 +61,7 @@ class logger;
 namespace m3 {
 
 class ServerMetrics;
+class SessionMetrics;
 
 struct SchedulerOptions {
   int queue_capacity = 64;
@@ -79,6 +81,15 @@ struct SchedulerOptions {
   // Where every stream the scheduler closes is handed over until its call is done (may be
   // null).
   StalledStreams* stalled_streams = nullptr;
+  // States kept at token boundaries of first inputs, to start later prompts from (null:
+  // none; engine thread only).
+  PrefixStateCache* prefix_cache = nullptr;
+  // A Converse session idle this long between turns gives up its slot, its state kept in
+  // host memory until its next input (scheduler_swap.cc); zero: never. Sessions idle for
+  // less also give theirs up when requests or other sessions wait for a slot.
+  Clock::duration session_swap_after = Clock::duration::zero();
+  int max_sessions = 0;  // Converse sessions open at once (in a slot or swapped out); 0: no limit
+  SessionMetrics* session_metrics = nullptr;  // may be null
 };
 
 class Scheduler {
@@ -135,6 +146,11 @@ class Scheduler {
     std::vector<int32_t> feed;  // this turn's input; feed[fed] is the next to feed
     size_t fed = 0;
     bool reply_requested = false;
+    bool save_requested = false;  // a request_save() marker was taken: save once fed
+    bool save_pending = false;     // saved; its input waits until the store answers (take_saved)
+    bool shutdown_saving = false;  // saved for a shutdown: its handler ends it
+    bool cacheable = false;  // the state is feed[0, fed) read from a fresh state (prefix cache)
+    uint64_t state_tokens = 0;    // tokens the slot's state covers (snapshots)
     uint32_t reply_max_new = 0;
     bool has_sample = false;  // last_sample was sampled after the last fed token
     int32_t last_sample = 0;
@@ -170,6 +186,12 @@ class Scheduler {
   void admit_waiting(Clock::time_point now);
   void service_slot(int slot, Clock::time_point now);
   void pull_input(Slot& s);
+  // Hands the slot's state to its sequence's on_state_saved (snapshots).
+  void save_state(int slot, bool for_shutdown = false);
+  // Prefix cache: a fresh slot's input starts from the longest kept prefix; the states at
+  // the boundaries the last submitted step reached are kept.
+  void start_from_cached_prefix(int slot);
+  void keep_prefix_states();
   static void become_idle(Slot& s, Clock::time_point now);
   // When this slot's session runs out of idle time; max() when it is not an idle session.
   Clock::time_point idle_deadline(const Slot& s) const;
@@ -181,6 +203,28 @@ class Scheduler {
                         std::string message);
   void wake_writer(const std::shared_ptr<Sequence>& seq);
   void shutdown_all_slots();
+  // "session idle: no input within ..." after `turns` finished turns.
+  std::string session_idle_message(uint32_t turns) const;
+
+  // Sessions off the slots (scheduler_swap.cc).
+  struct SwappedSession {
+    Slot slot;  // as it left its slot (seq included)
+    std::vector<std::byte> state;
+    bool wants_in = false;  // its next input arrived
+    Clock::time_point wanted_since;
+    bool shutdown_saving = false;
+  };
+  bool swappable(const Slot& s) const;
+  void swap_out_idle_sessions(Clock::time_point now);
+  void swap_out(int slot);
+  // Swapped sessions: ends, shutdown saves, and swap-ins into free slots (before new
+  // requests take them).
+  void service_swapped(Clock::time_point now);
+  void swap_in(size_t k);
+  void close_swapped(size_t k, StreamStatus status, std::string message);
+  // When the next swap-out or swapped session's idle end is due (max(): none).
+  Clock::time_point next_swap_due() const;
+  void note_session_closed_locked(const Sequence& seq);  // mu_ held
 
   Engine& engine_;
   const SchedulerOptions options_;
@@ -206,6 +250,9 @@ class Scheduler {
   SubmittedStep prefill_entries_;
   std::vector<std::shared_ptr<Sequence>> wake_list_;  // writers to wake after this step
   std::vector<std::shared_ptr<Sequence>> admitted_, rejected_;
+  std::vector<std::pair<int, size_t>> prefix_saves_;  // slot, tokens: states to keep after submit
+  std::vector<SwappedSession> swapped_;
+  bool swap_refused_ = false;  // the engine cannot copy its state
   uint64_t graph_replays_seen_ = 0;
   int active_ = 0;
 
@@ -213,7 +260,9 @@ class Scheduler {
   std::condition_variable cv_;       // the engine thread waits here when nothing runs
   std::condition_variable idle_cv_;  // wait_until_idle / cancel_all
   std::deque<std::shared_ptr<Sequence>> waiting_;
-  int in_flight_ = 0;
+  int in_flight_ = 0;     // queued, in a slot or swapped out
+  int swapped_count_ = 0;  // swapped_.size(), for submit()
+  int sessions_open_ = 0;
   bool wake_ = false;
   bool accepting_ = true;
   std::string engine_failure_;  // Engine::failure() once a step failed for good

@@ -9,7 +9,7 @@ void Sequence::add_input(std::span<const int32_t> tokens) {
   if (tokens.empty()) return;
   {
     std::lock_guard lock(input_mu_);
-    if (input_.empty() || input_.back().end_turn) input_.emplace_back();
+    if (input_.empty() || input_.back().end_turn || input_.back().save) input_.emplace_back();
     input_.back().tokens.insert(input_.back().tokens.end(), tokens.begin(), tokens.end());
     pending_tokens_ += tokens.size();
   }
@@ -19,7 +19,7 @@ void Sequence::add_input(std::span<const int32_t> tokens) {
 void Sequence::end_turn(uint32_t max_new_tokens) {
   {
     std::lock_guard lock(input_mu_);
-    if (input_.empty() || input_.back().end_turn) {
+    if (input_.empty() || input_.back().end_turn || input_.back().save) {
       input_.emplace_back();  // a turn with no input: it will feed the last reply's token
       ++pending_tokens_;
     }
@@ -36,6 +36,45 @@ void Sequence::close_input() {
     input_closed_ = true;
   }
   mark_input_changed();
+}
+
+void Sequence::request_save() {
+  {
+    std::lock_guard lock(input_mu_);
+    input_.emplace_back();
+    input_.back().save = true;
+  }
+  mark_input_changed();
+}
+
+void Sequence::deliver_saved(std::string snapshot_id) {
+  {
+    std::lock_guard lock(input_mu_);
+    saved_ids_.push_back(std::move(snapshot_id));
+  }
+  saved_waiting_.store(true, std::memory_order_release);
+}
+
+std::string Sequence::take_saved() {
+  if (!saved_waiting_.load(std::memory_order_acquire)) return "";
+  std::lock_guard lock(input_mu_);
+  std::string id;
+  if (!saved_ids_.empty()) {
+    id = std::move(saved_ids_.front());
+    saved_ids_.erase(saved_ids_.begin());
+  }
+  saved_waiting_.store(!saved_ids_.empty(), std::memory_order_release);
+  return id;
+}
+
+void Sequence::set_shutdown_snapshot(std::string snapshot_id) {
+  std::lock_guard lock(input_mu_);
+  shutdown_snapshot_ = std::move(snapshot_id);
+}
+
+std::string Sequence::shutdown_snapshot() {
+  std::lock_guard lock(input_mu_);
+  return shutdown_snapshot_;
 }
 
 void Sequence::request_cancel(StreamStatus status, std::string message) {
@@ -63,6 +102,11 @@ Sequence::InputSegment Sequence::take_input(std::vector<int32_t>* feed) {
   InputSegment result;
   while (!input_.empty()) {
     InputSegment& front = input_.front();
+    if (front.save) {
+      result.save = true;
+      input_.pop_front();
+      break;
+    }
     feed->insert(feed->end(), front.tokens.begin(), front.tokens.end());
     pending_tokens_ -= front.tokens.empty() ? 1 : front.tokens.size();
     if (front.end_turn) {
@@ -80,6 +124,11 @@ Sequence::InputSegment Sequence::take_input(std::vector<int32_t>* feed) {
 size_t Sequence::pending_input_tokens() {
   std::lock_guard lock(input_mu_);
   return pending_tokens_;
+}
+
+bool Sequence::input_waiting() {
+  std::lock_guard lock(input_mu_);
+  return !input_.empty() || input_closed_;
 }
 
 bool Sequence::input_closed_and_empty() {

@@ -8,6 +8,8 @@
 #include <chrono>
 #include <cstdint>
 #include <deque>
+#include <functional>
+#include <memory>
 #include <mutex>
 #include <span>
 #include <string>
@@ -31,6 +33,19 @@ class StreamWriter {
   virtual void cancel_call() {}
 };
 
+class Sequence;
+
+// A sequence's state as the engine's slot bytes (Engine::save_slot), with what the
+// scheduler needs beside them: the tokens it covers and the sample after its last token
+// (-1: none), the first reply token when no more input comes.
+struct SequenceState {
+  std::vector<std::byte> bytes;
+  uint64_t tokens = 0;
+  int32_t last_sample = -1;
+  std::string error;  // saving failed (the engine's message); bytes empty
+  bool for_shutdown = false;  // saved because the server is shutting down (save_on_shutdown)
+};
+
 struct SequenceParams {
   std::string request_id;
   bool session = false;  // Converse: the slot stays with the client across turns
@@ -38,6 +53,14 @@ struct SequenceParams {
   std::vector<int32_t> stop_token_ids;
   int32_t end_of_reply_id = -1;  // emitting it ends the reply (FinishReason::kEndOfReply); -1: none
   Clock::time_point deadline = Clock::time_point::max();
+  // Snapshots: the state the sequence starts from instead of a fresh one (loaded when it is
+  // admitted), and where the state goes at each request_save() (called on the engine
+  // thread: hand the bytes to another thread, do no I/O there).
+  std::shared_ptr<const SequenceState> start_state;
+  std::function<void(const std::shared_ptr<Sequence>&, SequenceState)> on_state_saved;
+  // A session between turns at shutdown is saved (on_state_saved, for_shutdown) rather
+  // than ended at once; the handler then ends it (a persistent store is configured).
+  bool save_on_shutdown = false;
 };
 
 // What the scheduler reports about a finished sequence (for the request log line).
@@ -67,6 +90,17 @@ class Sequence {
   // input of its own counts one, the previous reply's last token it will feed.
   size_t pending_input_tokens();
   void close_input();  // the client will send nothing more
+  // Saves the state once the input sent before this call is read (params().on_state_saved,
+  // whose handler answers with deliver_saved() or ends the sequence with request_cancel());
+  // input sent after it waits for that answer.
+  void request_save();
+  // A save's outcome for the stream, from the thread that stored it: the engine thread
+  // passes it on at the next token boundary (Scheduler::wake() after this).
+  void deliver_saved(std::string snapshot_id);
+  std::string take_saved();  // engine thread; "" when none is waiting
+  // The snapshot a shutdown saved the session as (for the stream's trailing metadata).
+  void set_shutdown_snapshot(std::string snapshot_id);
+  std::string shutdown_snapshot();
   // Ends the sequence at the next token boundary with this status.
   void request_cancel(StreamStatus status, std::string message);
 
@@ -74,15 +108,17 @@ class Sequence {
   struct InputSegment {
     std::vector<int32_t> tokens;
     bool end_turn = false;
+    bool save = false;  // a request_save() marker (no tokens)
     uint32_t max_new_tokens = 0;
     Clock::time_point end_turn_time;
   };
   bool input_changed() { return input_changed_.exchange(false, std::memory_order_acq_rel); }
   void mark_input_changed() { input_changed_.store(true, std::memory_order_release); }
-  // Moves input up to and including the next end_turn into *feed; returns that
-  // segment's end_turn info (end_turn false when none has arrived yet).
+  // Moves input up to and including the next end_turn or save marker into *feed; returns
+  // that segment's end_turn and save info (both false when neither has arrived yet).
   InputSegment take_input(std::vector<int32_t>* feed);
   bool input_closed_and_empty();
+  bool input_waiting();  // input not taken yet, or the input closed
   bool cancel_requested() const { return cancel_requested_.load(std::memory_order_acquire); }
   StreamStatus cancel_status();
   std::string cancel_message();
@@ -112,6 +148,9 @@ class Sequence {
   size_t pending_tokens_ = 0;  // in input_, as pending_input_tokens() counts them
   bool input_closed_ = false;
   std::atomic<bool> input_changed_{false};
+  std::atomic<bool> saved_waiting_{false};
+  std::vector<std::string> saved_ids_;  // under input_mu_
+  std::string shutdown_snapshot_;       // under input_mu_
 
   std::atomic<uint64_t> writes_done_{0};
   std::mutex writer_mu_;

@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "model/engine.h"
+#include "model/snapshot_format.h"
 #include "model/tokenizer.h"
 #include "model/vocab_layout.h"
 #include "model/weights.h"
@@ -18,10 +19,14 @@
 #include "server/library_logs.h"
 #include "server/m3serve_service.h"
 #include "server/metrics.h"
+#include "server/prefix_cache.h"
 #include "server/request_log.h"
 #include "server/request_validation.h"
 #include "server/scheduler.h"
 #include "server/service_context.h"
+#include "server/session_metrics.h"
+#include "server/snapshot_metrics.h"
+#include "server/snapshot_service.h"
 #include "server/stalled_streams.h"
 #include "server/vocab_serving.h"
 
@@ -108,6 +113,20 @@ ServerApp::ServerApp(const ServerConfig& config, std::shared_ptr<spdlog::logger>
   scheduler_options.on_engine_unusable = [this](const std::string&) { report_not_serving(); };
   stalled_streams_ = std::make_unique<StalledStreams>();
   scheduler_options.stalled_streams = stalled_streams_.get();
+  scheduler_options.session_swap_after = from_seconds(config_.session_swap_after_s);
+  scheduler_options.max_sessions = config_.max_sessions;
+  session_metrics_ = std::make_unique<SessionMetrics>(metrics_->registry());
+  scheduler_options.session_metrics = session_metrics_.get();
+  if (config_.prefix_cache) {
+    try {
+      engine_->slot_state_bytes();
+      prefix_cache_ = std::make_unique<PrefixStateCache>(static_cast<uint64_t>(config_.prefix_cache_capacity_bytes),
+                                                         config_.prefix_cache_interval);
+      scheduler_options.prefix_cache = prefix_cache_.get();
+    } catch (const std::exception& e) {
+      logger_->warn("prefix_cache is on but this engine cannot copy its state ({}): serving without it", e.what());
+    }
+  }
   scheduler_ = std::make_unique<Scheduler>(*engine_, scheduler_options, metrics_.get(), logger_);
 
   context_ = std::make_unique<ServiceContext>(static_cast<size_t>(config_.max_batch + config_.queue_capacity));
@@ -142,6 +161,7 @@ ServerApp::ServerApp(const ServerConfig& config, std::shared_ptr<spdlog::logger>
   info.set_has_tokenizer(tokenizer_ != nullptr);
   info.set_demo_model(demo_model_);
   if (vocab_) fill_vocab_info(*vocab_, info.mutable_vocab());
+  start_snapshots();
   service_ = std::make_unique<M3ServeService>(*context_);
 
   grpc::EnableDefaultHealthCheckService(true);
@@ -177,6 +197,29 @@ ServerApp::ServerApp(const ServerConfig& config, std::shared_ptr<spdlog::logger>
 }
 
 ServerApp::~ServerApp() { shutdown(std::chrono::seconds(0)); }
+
+void ServerApp::start_snapshots() {
+  std::string unsupported;
+  uint64_t state_bytes = 0;
+  try {
+    state_bytes = engine_->slot_state_bytes();
+  } catch (const std::exception& e) {
+    unsupported = e.what();
+  }
+  const auto t0 = Clock::now();
+  ModelFingerprint fingerprint =
+      fingerprint_model(*weights_, context_->model_info.weight_dtype(), engine_->backend(), state_bytes);
+  snapshot_metrics_ = std::make_unique<SnapshotMetrics>(metrics_->registry());
+  auto store = std::make_unique<SnapshotStore>(
+      make_snapshot_backend(config_.snapshot_store), static_cast<uint64_t>(config_.snapshot_capacity_bytes),
+      std::chrono::milliseconds(static_cast<int64_t>(config_.snapshot_ttl_s * 1000.0)), snapshot_metrics_.get());
+  logger_->info("snapshots: store {} ({} snapshots already there), model fingerprint [{}] (hashed in {:.0f} ms){}",
+                store->describe(), store->count(), fingerprint.to_string(),
+                std::chrono::duration<double, std::milli>(Clock::now() - t0).count(),
+                unsupported.empty() ? "" : "; refused on this engine: " + unsupported);
+  snapshots_ = std::make_unique<SnapshotService>(std::move(store), std::move(fingerprint), unsupported);
+  context_->snapshots = snapshots_.get();
+}
 
 void ServerApp::sweep_streams() {
   using Duration = Clock::duration;

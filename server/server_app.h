@@ -32,6 +32,10 @@ class StalledStreams;
 class RequestLog;
 class LibraryLogRoute;
 class M3ServeService;
+class PrefixStateCache;
+class SessionMetrics;
+class SnapshotMetrics;
+class SnapshotService;
 struct ServiceContext;
 
 class ServerApp {
@@ -45,6 +49,7 @@ class ServerApp {
   std::string address() const;        // "host:port" as bound
   ServerMetrics& metrics() { return *metrics_; }
   const Engine& engine() const { return *engine_; }
+  SnapshotService* snapshots() { return snapshots_.get(); }
   bool demo_model() const { return demo_model_; }
   // Converse streams open without a session yet (nothing sent); shutdown ends them at once.
   size_t sessions_not_started() const;
@@ -61,6 +66,8 @@ class ServerApp {
   // for session_idle_timeout_s (as the scheduler ends idle sessions; those streams are not
   // the scheduler's) and cancels the calls of stalled streams (StalledStreams).
   void sweep_streams();
+  // The snapshot store and service (ServiceContext::snapshots).
+  void start_snapshots();
 
   ServerConfig config_;
   std::shared_ptr<spdlog::logger> logger_;
@@ -74,8 +81,13 @@ class ServerApp {
   // Protobuf's and gRPC's lines into request_log_ (rate-limited) until after server_ is gone.
   std::unique_ptr<LibraryLogRoute> library_log_route_;
   std::unique_ptr<StalledStreams> stalled_streams_;  // (outlives the scheduler, which fills it)
+  std::unique_ptr<PrefixStateCache> prefix_cache_;   // (outlives the scheduler, which uses it)
+  std::unique_ptr<SessionMetrics> session_metrics_;  // (likewise)
   std::unique_ptr<Scheduler> scheduler_;
   std::unique_ptr<ServiceContext> context_;
+  // Snapshots: after the scheduler and the context, which its worker's tasks use.
+  std::unique_ptr<SnapshotMetrics> snapshot_metrics_;
+  std::unique_ptr<SnapshotService> snapshots_;
   std::unique_ptr<M3ServeService> service_;
   std::unique_ptr<grpc::Server> server_;
   int port_ = 0;

@@ -13,10 +13,12 @@
 #include <stdexcept>
 #include <variant>
 
+#include "server/snapshot_store.h"
+
 namespace m3 {
 namespace {
 
-using Member = std::variant<std::string ServerConfig::*, int ServerConfig::*,
+using Member = std::variant<std::string ServerConfig::*, int ServerConfig::*, int64_t ServerConfig::*,
                             double ServerConfig::*, bool ServerConfig::*>;
 
 struct Setting {
@@ -65,6 +67,20 @@ const std::vector<Setting>& settings() {
        "seconds a stream the server has ended may wait for its client to read what is in flight "
        "before its call is cancelled"},
       {"log_level", &ServerConfig::log_level, "trace | debug | info | warn | error | off"},
+      {"snapshot_store", &ServerConfig::snapshot_store,
+       "where snapshots live: memory | dir:PATH | redis://HOST:PORT"},
+      {"snapshot_capacity_bytes", &ServerConfig::snapshot_capacity_bytes,
+       "bytes of snapshots kept, least recently used out first; 0: no limit"},
+      {"snapshot_ttl_s", &ServerConfig::snapshot_ttl_s, "seconds a snapshot is kept; 0: until evicted or deleted"},
+      {"prefix_cache", &ServerConfig::prefix_cache,
+       "keep states at prompt boundaries; a prompt starting with a kept prefix reads only the rest"},
+      {"prefix_cache_interval", &ServerConfig::prefix_cache_interval,
+       "tokens between the states the prefix cache keeps (and one at each prompt's end)"},
+      {"prefix_cache_capacity_bytes", &ServerConfig::prefix_cache_capacity_bytes,
+       "bytes of states the prefix cache keeps in host memory, least recently used out first"},
+      {"session_swap_after_s", &ServerConfig::session_swap_after_s,
+       "seconds a Converse session waits between turns before its state leaves its slot for host memory; 0: never"},
+      {"max_sessions", &ServerConfig::max_sessions, "Converse sessions open at once; 0: no limit"},
   };
   return kSettings;
 }
@@ -99,8 +115,8 @@ std::string assign(ServerConfig& config, const Member& member, const std::string
         if constexpr (std::is_same_v<T, std::string>) {
           config.*ptr = text;
           return "";
-        } else if constexpr (std::is_same_v<T, int>) {
-          int v = 0;
+        } else if constexpr (std::is_same_v<T, int> || std::is_same_v<T, int64_t>) {
+          T v = 0;
           auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
           if (text.empty() || ec != std::errc() || end != text.data() + text.size())
             return "expected an integer, got '" + text + "'";
@@ -259,6 +275,24 @@ void ServerConfig::validate() const {
   if (!std::isfinite(stalled_stream_timeout_s) || stalled_stream_timeout_s < 0.1 || stalled_stream_timeout_s > 3600)
     throw std::invalid_argument("stalled_stream_timeout_s must be between 0.1 and 3600 seconds, got " +
                                 std::to_string(stalled_stream_timeout_s));
+  if (const std::string why = snapshot_store_spec_error(snapshot_store); !why.empty())
+    throw std::invalid_argument("snapshot_store '" + snapshot_store + "': " + why);
+  if (snapshot_capacity_bytes < 0)
+    throw std::invalid_argument("snapshot_capacity_bytes must be 0 (no limit) or more, got " +
+                                std::to_string(snapshot_capacity_bytes));
+  if (!std::isfinite(snapshot_ttl_s) || snapshot_ttl_s < 0 || snapshot_ttl_s > 365 * 86400.0 ||
+      (snapshot_ttl_s > 0 && snapshot_ttl_s < 0.001))
+    throw std::invalid_argument("snapshot_ttl_s must be 0 (none) or between 0.001 s and a year, got " +
+                                std::to_string(snapshot_ttl_s));
+  check_int("prefix_cache_interval", prefix_cache_interval, 1, 1 << 24);
+  if (!std::isfinite(session_swap_after_s) || session_swap_after_s < 0 || session_swap_after_s > 86400 ||
+      (session_swap_after_s > 0 && session_swap_after_s < 0.001))
+    throw std::invalid_argument("session_swap_after_s must be 0 (never) or between 0.001 and 86400 seconds, got " +
+                                std::to_string(session_swap_after_s));
+  check_int("max_sessions", max_sessions, 0, 10'000'000);
+  if (prefix_cache_capacity_bytes < 1)
+    throw std::invalid_argument("prefix_cache_capacity_bytes must be at least 1, got " +
+                                std::to_string(prefix_cache_capacity_bytes));
   if (!model.empty() && !std::filesystem::is_directory(model))
     throw std::invalid_argument("model: '" + model + "' is not a directory");
   if (!tokenizer.empty() && !std::filesystem::is_regular_file(tokenizer))

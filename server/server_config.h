@@ -3,6 +3,7 @@
 // `some_key` has the flag `--some-key VALUE`.
 #pragma once
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -35,6 +36,15 @@ struct ServerConfig {
   std::string log_level = "info";            // trace | debug | info | warn | error | off
   // CUDA: how the decode step is built; YAML section `cuda:`, flags --cuda-<key-path>.
   CudaPolicy cuda;
+  // Snapshots (issue 25).
+  std::string snapshot_store = "memory";     // memory | dir:PATH | redis://HOST:PORT
+  int64_t snapshot_capacity_bytes = 0;       // LRU-evicted beyond this; 0 = no limit
+  double snapshot_ttl_s = 0;                 // 0 = none
+  bool prefix_cache = false;                 // keep states at prompt boundaries to start later prompts from
+  int prefix_cache_interval = 256;           // a state kept every this many tokens of a first input
+  int64_t prefix_cache_capacity_bytes = int64_t{1} << 30;  // LRU-evicted beyond this
+  double session_swap_after_s = 0;           // an idle session's state leaves its slot after this; 0 = never
+  int max_sessions = 0;                      // Converse sessions open at once; 0 = no limit
 
   // Throws std::invalid_argument naming the setting when a value is out of range.
   void validate() const;

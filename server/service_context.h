@@ -20,6 +20,7 @@
 namespace m3 {
 
 class ServerMetrics;
+class SnapshotService;
 class StreamDetokenizer;
 class Tokenizer;
 struct VocabLayout;
@@ -29,6 +30,7 @@ struct ServiceContext {
 
   Scheduler* scheduler = nullptr;
   ServerMetrics* metrics = nullptr;  // may be null
+  SnapshotService* snapshots = nullptr;  // null: snapshots refused as unavailable
   RequestLog* log = nullptr;
   const Tokenizer* tokenizer = nullptr;  // null: token ids only
   const VocabLayout* vocab = nullptr;    // null: the model has no vocab.json

@@ -14,6 +14,10 @@ const char* stream_status_name(StreamStatus s) {
     case StreamStatus::kDeadlineExceeded: return "deadline_exceeded";
     case StreamStatus::kInternal: return "internal";
     case StreamStatus::kUnavailable: return "unavailable";
+    case StreamStatus::kNotFound: return "not_found";
+    case StreamStatus::kFailedPrecondition: return "failed_precondition";
+    case StreamStatus::kDataLoss: return "data_loss";
+    case StreamStatus::kUnimplemented: return "unimplemented";
   }
   return "unknown";
 }
@@ -37,6 +41,15 @@ bool TokenOutbox::end_turn(const TurnEnd& end) {
   std::lock_guard lock(mu_);
   if (closed_) return false;
   turn_ends_.push_back({pushed_, end});
+  if (writer_busy_) return false;
+  writer_busy_ = true;
+  return true;
+}
+
+bool TokenOutbox::snapshot_saved(std::string snapshot_id) {
+  std::lock_guard lock(mu_);
+  if (closed_) return false;
+  turn_ends_.push_back({pushed_, TurnEnd{}, std::move(snapshot_id)});
   if (writer_busy_) return false;
   writer_busy_ = true;
   return true;
@@ -67,8 +80,9 @@ TokenOutbox::Item TokenOutbox::take(std::vector<int32_t>* tokens) {
     taken_ = next_end;
     item.kind = Item::kTokens;
   } else if (!turn_ends_.empty()) {
-    item.kind = Item::kTurnEnd;
+    item.kind = turn_ends_.front().snapshot_id.empty() ? Item::kTurnEnd : Item::kSnapshotSaved;
     item.turn_end = turn_ends_.front().end;
+    item.snapshot_id = std::move(turn_ends_.front().snapshot_id);
     turn_ends_.pop_front();
   } else if (closed_ && !close_delivered_) {
     close_delivered_ = true;

@@ -32,6 +32,12 @@ enum class StreamStatus {
   kDeadlineExceeded,
   kInternal,
   kUnavailable,
+  // Snapshots (issue 25): an unknown id, another model's, a damaged one, an engine that
+  // cannot copy its state.
+  kNotFound,
+  kFailedPrecondition,
+  kDataLoss,
+  kUnimplemented,
 };
 const char* stream_status_name(StreamStatus);  // "ok", "invalid_argument", ... (metric labels)
 // The UNAVAILABLE message of every request a shutdown refuses or ends.
@@ -60,6 +66,8 @@ class TokenOutbox {
   // Engine thread. No allocation.
   Push push(int32_t token);
   bool end_turn(const TurnEnd& end);
+  // A Converse session's SaveSnapshot answered, in order with the tokens (engine thread).
+  bool snapshot_saved(std::string snapshot_id);
   // After close() nothing more is accepted. With kOk everything queued is delivered
   // first; with an error status unsent tokens and turn ends are dropped (the stream ends
   // now: a slow reader, a failed step), unless kDeliver asks for them to go first (a
@@ -68,8 +76,9 @@ class TokenOutbox {
   bool close(StreamStatus status, std::string message, Unsent unsent = Unsent::kDrop);
 
   struct Item {
-    enum Kind { kNothing, kTokens, kTurnEnd, kClosed } kind = kNothing;
+    enum Kind { kNothing, kTokens, kTurnEnd, kSnapshotSaved, kClosed } kind = kNothing;
     TurnEnd turn_end;
+    std::string snapshot_id;  // kSnapshotSaved
     StreamStatus status = StreamStatus::kOk;
     std::string message;
   };
@@ -87,6 +96,7 @@ class TokenOutbox {
   struct PendingEnd {
     uint64_t at;  // pushed_ when the turn ended
     TurnEnd end;
+    std::string snapshot_id;  // not empty: a snapshot_saved(), not a turn end
   };
   std::deque<PendingEnd> turn_ends_;
   bool closed_ = false;

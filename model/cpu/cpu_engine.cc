@@ -64,6 +64,9 @@ class CpuEngine final : public Engine {
   int max_prefill_tokens() const override { return max_prefill_tokens_; }
   bool has_prefill_path() const override { return true; }
   CpuSlotSnapshot snapshot(int slot) const;
+  size_t slot_state_bytes() const override;
+  void save_slot(int slot, std::span<std::byte> out) override;
+  void load_slot(int slot, std::span<const std::byte> in) override;
 
  private:
   // A stretch of one run's tokens inside a prefill window: rows [row, row + count).
@@ -290,6 +293,52 @@ EngineStats CpuEngine::stats() const {
   s.steps = steps_.load(std::memory_order_relaxed);
   s.tokens = tokens_.load(std::memory_order_relaxed);
   return s;
+}
+
+// A slot's bytes: its state floats as the step keeps them ([layer][angle | ssm | k_prev |
+// x_prev]), then the random-draw counter (u64) and the last sampled token (i32, -1: none),
+// then 4 zero bytes, host byte order.
+size_t CpuEngine::slot_state_bytes() const {
+  return sizeof(float) * static_cast<size_t>(config_.n_layer * state_per_layer_) + sizeof(uint64_t) +
+         2 * sizeof(int32_t);
+}
+
+void CpuEngine::save_slot(int slot, std::span<std::byte> out) {
+  check_slot(slot, "save_slot");
+  if (out.size() != slot_state_bytes()) {
+    throw std::invalid_argument("save_slot: " + std::to_string(out.size()) + " bytes given, a slot's state is " +
+                                std::to_string(slot_state_bytes()));
+  }
+  const size_t floats = static_cast<size_t>(config_.n_layer * state_per_layer_);
+  std::byte* p = out.data();
+  std::memcpy(p, state_.data() + slot * floats, sizeof(float) * floats);
+  p += sizeof(float) * floats;
+  std::memcpy(p, &counter_[static_cast<size_t>(slot)], sizeof(uint64_t));
+  p += sizeof(uint64_t);
+  std::memcpy(p, &last_sampled_[static_cast<size_t>(slot)], sizeof(int32_t));
+  std::memset(p + sizeof(int32_t), 0, sizeof(int32_t));
+}
+
+void CpuEngine::load_slot(int slot, std::span<const std::byte> in) {
+  check_slot(slot, "load_slot");
+  if (in.size() != slot_state_bytes()) {
+    throw std::invalid_argument("load_slot: " + std::to_string(in.size()) + " bytes given, a slot's state is " +
+                                std::to_string(slot_state_bytes()));
+  }
+  const size_t floats = static_cast<size_t>(config_.n_layer * state_per_layer_);
+  const std::byte* p = in.data() + sizeof(float) * floats;
+  uint64_t counter;
+  int32_t last;
+  std::memcpy(&counter, p, sizeof counter);
+  std::memcpy(&last, p + sizeof counter, sizeof last);
+  // A token kContinueToken would feed must be one the embedding has.
+  if (last < -1 || last >= config_.vocab_size) {
+    throw std::invalid_argument("load_slot: the state's next input token " + std::to_string(last) +
+                                " is outside [-1, " + std::to_string(config_.vocab_size) + ")");
+  }
+  std::memcpy(state_.data() + slot * floats, in.data(), sizeof(float) * floats);
+  counter_[static_cast<size_t>(slot)] = counter;
+  last_sampled_[static_cast<size_t>(slot)] = last;
 }
 
 void CpuEngine::validate_step(std::span<const int32_t> slots, std::span<const int32_t> tokens,

@@ -128,6 +128,7 @@ void CudaEngine::allocate_buffers() {
   counters_ = DeviceBuffer(sizeof(uint64_t) * n_all, "step counters");
   last_token_ = DeviceBuffer(sizeof(int32_t) * n_all, "last sampled tokens");
   frame_positions_ = DeviceBuffer(sizeof(int32_t) * n_all, "frame positions");
+  slot_copier_ = SlotStateCopier(static_cast<size_t>(slot_state_floats_));
   table_host_ = PinnedBuffer(sizeof(int32_t) * table_ints() * kMaxQueuedSteps, "step tables (host)");
   sampled_host_ = PinnedBuffer(sizeof(int32_t) * B * kMaxQueuedSteps, "sampled ids (host)");
   params_host_ = PinnedBuffer(sizeof(kernels::SlotSampling) * n_all * kMaxQueuedSteps, "sampling params (host)");
@@ -233,6 +234,40 @@ void CudaEngine::reset(int slot) {
   or_unusable([&] { zero_slot(slot); });  // queued behind the steps already submitted, ahead of later ones
   has_sample_[slot] = 0;
   steps_since_reset_[slot] = 0;
+}
+
+SlotDeviceState CudaEngine::device_slot(int slot) const {
+  return {state_.as<float>() + static_cast<size_t>(slot) * slot_state_floats_, counters_.as<uint64_t>() + slot,
+          last_token_.as<int32_t>() + slot};
+}
+
+// Ordered with the steps: the copy waits for those submitted before it (a save returns once
+// they are done), and a load is what the steps submitted after it read.
+void CudaEngine::save_slot(int slot, std::span<std::byte> out) {
+  check_usable("save_slot");
+  if (slot < 0 || slot >= max_slots_) {
+    throw std::invalid_argument(slot_context("save_slot", slot) + " is out of range [0, " +
+                                std::to_string(max_slots_) + ")");
+  }
+  if (out.size() != slot_copier_.bytes()) {
+    throw std::invalid_argument("save_slot: " + std::to_string(out.size()) + " bytes given, a slot's state is " +
+                                std::to_string(slot_copier_.bytes()));
+  }
+  const SlotHostFlags flags{has_sample_[slot] != 0, static_cast<uint32_t>(steps_since_reset_[slot] & 1)};
+  or_unusable([&] { slot_copier_.save(stream_, device_slot(slot), flags, out); });
+}
+
+void CudaEngine::load_slot(int slot, std::span<const std::byte> in) {
+  check_usable("load_slot");
+  if (slot < 0 || slot >= max_slots_) {
+    throw std::invalid_argument(slot_context("load_slot", slot) + " is out of range [0, " +
+                                std::to_string(max_slots_) + ")");
+  }
+  slot_copier_.check(in, config_.vocab_size);
+  SlotHostFlags flags;
+  or_unusable([&] { flags = slot_copier_.load(stream_, device_slot(slot), in, config_.vocab_size); });
+  has_sample_[slot] = flags.has_sample ? 1 : 0;
+  steps_since_reset_[slot] = flags.parity;  // only its parity is read: the current half stays current
 }
 
 // The slot's device side as a new sequence finds it: state, random-draw counter, last

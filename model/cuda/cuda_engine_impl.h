@@ -21,6 +21,7 @@
 #include "model/cuda/device_masks.h"
 #include "model/cuda/device_weights.h"
 #include "model/cuda/profiling.h"
+#include "model/cuda/slot_state_copy.h"
 #include "model/cuda/step_graph.h"
 #include "model/cuda/step_plan.h"
 #include "model/engine.h"
@@ -48,6 +49,10 @@ class CudaEngine final : public Engine, public CudaProfiling {
   void submit_step(std::span<const int32_t> slots, std::span<const int32_t> tokens) override;
   void collect_step(std::span<int32_t> sampled) override;
   EngineStats stats() const override { return stats_; }
+  // On copy_stream beside the steps (slot_state_copy.h).
+  size_t slot_state_bytes() const override { return slot_copier_.bytes(); }
+  void save_slot(int slot, std::span<std::byte> out) override;
+  void load_slot(int slot, std::span<const std::byte> in) override;
 
   // --- CudaProfiling (cuda_engine_profiling.cu) ---
   const std::vector<int>& bucket_sizes() const override { return bucket_sizes_; }
@@ -81,6 +86,7 @@ class CudaEngine final : public Engine, public CudaProfiling {
   // same step planned again on table 1; then every graph captured (when graphs are on).
   void build_steps();
   void zero_slot(int slot);
+  SlotDeviceState device_slot(int slot) const;
   // submit_step, and the copy of the step's logits into `logits` (when not empty) before
   // the step counts as done.
   void submit(std::span<const int32_t> slots, std::span<const int32_t> tokens, std::span<float> logits);
@@ -119,6 +125,7 @@ class CudaEngine final : public Engine, public CudaProfiling {
   DeviceBuffer last_token_;  // int32 [max_slots + 1]
   DeviceMaskTable masks_;    // EngineOptions::sampling_masks, on the device from load
   DeviceBuffer frame_positions_;  // int32 [max_slots + 1], read and advanced by the sampling kernel
+  SlotStateCopier slot_copier_;  // one slot's state to and from host bytes
   // Per queued step (kMaxQueuedSteps of each, by position in the queue's ring): the table
   // and sampling parameters it copies to the device (a later step's host side must not
   // change them before the copies run), its ids (written by the sampling kernels of the

@@ -30,6 +30,9 @@ constexpr const char* kUsage = R"(usage: m3bench serve [options]
   --concurrency N         requests in flight (default 8)
   --requests M            requests in all (default 64)
   --prompt-len L          prompt tokens per request (default 16; random ids)
+  --shared-prefix P       P more tokens, the same for every request, before each prompt
+                          (default 0): time to first token with and without the server's
+                          prefix_cache
   --max-new-tokens K      tokens generated per request (default 64)
   --temperature T         default 0 (greedy); with T > 0 request i uses seed i
   --timeout S             deadline per request in seconds (default 300)
@@ -43,6 +46,7 @@ struct BenchOptions {
   int concurrency = 8;
   int requests = 64;
   int prompt_len = 16;
+  int shared_prefix = 0;
   int max_new_tokens = 64;
   double temperature = 0;
   std::chrono::milliseconds timeout{300'000};
@@ -98,6 +102,9 @@ RequestResult run_one(m3serve::v1::M3Serve::Stub& stub, const BenchOptions& opti
                       uint32_t vocab) {
   m3serve::v1::GenerateRequest request;
   request.set_request_id("bench-" + std::to_string(index));
+  if (options.shared_prefix > 0) {
+    for (int32_t id : make_prompt(-1, options.shared_prefix, vocab)) request.mutable_prompt_ids()->add_ids(id);
+  }
   for (int32_t id : make_prompt(index, options.prompt_len, vocab)) {
     request.mutable_prompt_ids()->add_ids(id);
   }
@@ -138,7 +145,7 @@ RequestResult run_one(m3serve::v1::M3Serve::Stub& stub, const BenchOptions& opti
 
 BenchOptions parse_options(const std::vector<std::string>& args) {
   Flags flags(args,
-              {"server", "concurrency", "requests", "prompt-len", "max-new-tokens", "temperature",
+              {"server", "concurrency", "requests", "prompt-len", "shared-prefix", "max-new-tokens", "temperature",
                "timeout", "connect-timeout", "json"},
               {});
   if (!flags.positional().empty()) {
@@ -149,6 +156,7 @@ BenchOptions parse_options(const std::vector<std::string>& args) {
   o.concurrency = static_cast<int>(flags.get_int("concurrency", 8, 1, 4096));
   o.requests = static_cast<int>(flags.get_int("requests", 64, 1, 10'000'000));
   o.prompt_len = static_cast<int>(flags.get_int("prompt-len", 16, 1, 1'000'000));
+  o.shared_prefix = static_cast<int>(flags.get_int("shared-prefix", 0, 0, 1'000'000));
   o.max_new_tokens = static_cast<int>(flags.get_int("max-new-tokens", 64, 1, 1'000'000));
   o.temperature = flags.get_double("temperature", 0.0);
   o.timeout = flags.get_seconds("timeout").value_or(o.timeout);
@@ -218,9 +226,10 @@ int run(const BenchOptions& options) {
   const Summary ttft_s = summarize(ttft), gap_s = summarize(gaps), dur_s = summarize(durations);
   const int failed = options.requests - ok;
 
-  std::printf("m3bench serve: %s (%s, %s), %d requests, concurrency %d, prompt %d, max new tokens %d\n",
-              options.server.c_str(), info.model_name().c_str(), info.backend().c_str(),
-              options.requests, options.concurrency, options.prompt_len, options.max_new_tokens);
+  std::printf("m3bench serve: %s (%s, %s), %d requests, concurrency %d, prompt %d (+ %d shared), max new "
+              "tokens %d\n",
+              options.server.c_str(), info.model_name().c_str(), info.backend().c_str(), options.requests,
+              options.concurrency, options.prompt_len, options.shared_prefix, options.max_new_tokens);
   std::printf("ok %d, errors %d\n", ok, failed);
   std::printf("wall %.3f s, %llu tokens, %.1f tokens/s, %.2f requests/s\n", wall_s,
               static_cast<unsigned long long>(tokens), tokens / wall_s, ok / wall_s);
@@ -244,6 +253,7 @@ int run(const BenchOptions& options) {
         {"concurrency", options.concurrency},
         {"requests", options.requests},
         {"prompt_len", options.prompt_len},
+        {"shared_prefix", options.shared_prefix},
         {"max_new_tokens", options.max_new_tokens},
         {"temperature", options.temperature},
         {"ok", ok},

@@ -168,6 +168,9 @@ class StepOnlyEngine final : public Engine {
     inner_->step(slots, tokens, sampled, logits);
   }
   EngineStats stats() const override { return inner_->stats(); }
+  size_t slot_state_bytes() const override { return inner_->slot_state_bytes(); }
+  void save_slot(int slot, std::span<std::byte> out) override { inner_->save_slot(slot, out); }
+  void load_slot(int slot, std::span<const std::byte> in) override { inner_->load_slot(slot, in); }
   Engine& inner() { return *inner_; }
 
  private:

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <stdexcept>
 #include <thread>
 #include <vector>
 
@@ -43,6 +44,10 @@ class QuietEngine final : public Engine {
     prefills.fetch_add(1, std::memory_order_relaxed);
   }
   std::atomic<uint64_t> prefills{0};
+  // (No state to copy: these tests do not save or load slots.)
+  size_t slot_state_bytes() const override { throw std::logic_error("QuietEngine keeps no state"); }
+  void save_slot(int, std::span<std::byte>) override { throw std::logic_error("QuietEngine keeps no state"); }
+  void load_slot(int, std::span<const std::byte>) override { throw std::logic_error("QuietEngine keeps no state"); }
 
  private:
   ModelConfig config_;

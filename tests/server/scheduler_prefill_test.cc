@@ -11,6 +11,7 @@
 #include <condition_variable>
 #include <filesystem>
 #include <map>
+#include <stdexcept>
 #include <string>
 #include <mutex>
 #include <thread>
@@ -105,6 +106,10 @@ class RecordingEngine final : public Engine {
     std::lock_guard lock(mu_);
     return {calls_.size(), 0, 0};
   }
+  // (No state to copy: these tests do not save or load slots.)
+  size_t slot_state_bytes() const override { throw std::logic_error("RecordingEngine keeps no state"); }
+  void save_slot(int, std::span<std::byte>) override { throw std::logic_error("RecordingEngine keeps no state"); }
+  void load_slot(int, std::span<const std::byte>) override { throw std::logic_error("RecordingEngine keeps no state"); }
   std::vector<Call> calls() const {
     std::lock_guard lock(mu_);
     return calls_;

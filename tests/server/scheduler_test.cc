@@ -76,6 +76,10 @@ class ScriptedEngine final : public Engine {
     std::lock_guard lock(mu_);
     return {steps_.size(), 0, 0};
   }
+  // (No state to copy: these tests do not save or load slots.)
+  size_t slot_state_bytes() const override { throw std::logic_error("ScriptedEngine keeps no state"); }
+  void save_slot(int, std::span<std::byte>) override { throw std::logic_error("ScriptedEngine keeps no state"); }
+  void load_slot(int, std::span<const std::byte>) override { throw std::logic_error("ScriptedEngine keeps no state"); }
   // Steps already queued (submitted, not collected) at each submit_step.
   std::vector<int> queued_at_submit() const {
     std::lock_guard lock(mu_);

@@ -1,0 +1,88 @@
+#include "model/cuda/slot_state_copy.h"
+
+#include <cstring>
+#include <stdexcept>
+#include <string>
+
+#include "kernels/common.cuh"
+
+namespace m3::cuda {
+namespace {
+constexpr size_t kTailBytes = sizeof(uint64_t) + sizeof(int32_t) + 4;
+}  // namespace
+
+SlotStateCopier::SlotStateCopier(size_t slot_state_floats)
+    : state_floats_(slot_state_floats),
+      bytes_(sizeof(float) * slot_state_floats + kTailBytes),
+      staging_(bytes_, "slot state staging") {
+  M3_CUDA_CHECK(cudaStreamCreateWithFlags(copy_stream_.out(), cudaStreamNonBlocking));
+  M3_CUDA_CHECK(cudaEventCreateWithFlags(steps_queued_.out(), cudaEventDisableTiming));
+  M3_CUDA_CHECK(cudaEventCreateWithFlags(copied_.out(), cudaEventDisableTiming));
+}
+
+void SlotStateCopier::save(cudaStream_t step_stream, const SlotDeviceState& slot, SlotHostFlags flags,
+                           std::span<std::byte> out) {
+  if (out.size() != bytes_) {
+    throw std::invalid_argument("save_slot: " + std::to_string(out.size()) + " bytes given, a slot's state is " +
+                                std::to_string(bytes_));
+  }
+  auto* staged = staging_.as<std::byte>();
+  M3_CUDA_CHECK(cudaEventRecord(steps_queued_, step_stream));
+  M3_CUDA_CHECK(cudaStreamWaitEvent(copy_stream_, steps_queued_, 0));
+  M3_CUDA_CHECK(cudaMemcpyAsync(staged, slot.state, sizeof(float) * state_floats_, cudaMemcpyDeviceToHost,
+                                copy_stream_));
+  std::byte* tail = staged + sizeof(float) * state_floats_;
+  M3_CUDA_CHECK(cudaMemcpyAsync(tail, slot.counter, sizeof(uint64_t), cudaMemcpyDeviceToHost, copy_stream_));
+  M3_CUDA_CHECK(cudaMemcpyAsync(tail + sizeof(uint64_t), slot.last_token, sizeof(int32_t), cudaMemcpyDeviceToHost,
+                                copy_stream_));
+  M3_CUDA_CHECK(cudaEventRecord(copied_, copy_stream_));
+  M3_CUDA_CHECK(cudaEventSynchronize(copied_));  // also ends a pending load's use of staging_
+  load_pending_ = false;
+  tail[sizeof(uint64_t) + sizeof(int32_t)] = std::byte{flags.has_sample ? uint8_t{1} : uint8_t{0}};
+  tail[sizeof(uint64_t) + sizeof(int32_t) + 1] = std::byte{static_cast<uint8_t>(flags.parity & 1)};
+  tail[sizeof(uint64_t) + sizeof(int32_t) + 2] = std::byte{0};
+  tail[sizeof(uint64_t) + sizeof(int32_t) + 3] = std::byte{0};
+  std::memcpy(out.data(), staged, bytes_);
+}
+
+void SlotStateCopier::check(std::span<const std::byte> in, int vocab_size) const {
+  if (in.size() != bytes_) {
+    throw std::invalid_argument("load_slot: " + std::to_string(in.size()) + " bytes given, a slot's state is " +
+                                std::to_string(bytes_));
+  }
+  const std::byte* tail = in.data() + sizeof(float) * state_floats_;
+  int32_t last = 0;
+  std::memcpy(&last, tail + sizeof(uint64_t), sizeof last);
+  const auto has_sample = static_cast<uint8_t>(tail[sizeof(uint64_t) + sizeof(int32_t)]);
+  const auto parity = static_cast<uint8_t>(tail[sizeof(uint64_t) + sizeof(int32_t) + 1]);
+  if (has_sample > 1 || parity > 1 || last < 0 || last >= vocab_size) {
+    throw std::invalid_argument("load_slot: not a slot state of this engine (token " + std::to_string(last) +
+                                ", flags " + std::to_string(has_sample) + "/" + std::to_string(parity) + ")");
+  }
+}
+
+SlotHostFlags SlotStateCopier::load(cudaStream_t step_stream, const SlotDeviceState& slot,
+                                    std::span<const std::byte> in, int vocab_size) {
+  check(in, vocab_size);
+  const std::byte* tail = in.data() + sizeof(float) * state_floats_;
+  const auto has_sample = static_cast<uint8_t>(tail[sizeof(uint64_t) + sizeof(int32_t)]);
+  const auto parity = static_cast<uint8_t>(tail[sizeof(uint64_t) + sizeof(int32_t) + 1]);
+  // The staging buffer may still feed the previous load's copy.
+  if (load_pending_) M3_CUDA_CHECK(cudaEventSynchronize(copied_));
+  auto* staged = staging_.as<std::byte>();
+  std::memcpy(staged, in.data(), bytes_);
+  M3_CUDA_CHECK(cudaEventRecord(steps_queued_, step_stream));
+  M3_CUDA_CHECK(cudaStreamWaitEvent(copy_stream_, steps_queued_, 0));
+  M3_CUDA_CHECK(cudaMemcpyAsync(slot.state, staged, sizeof(float) * state_floats_, cudaMemcpyHostToDevice,
+                                copy_stream_));
+  const std::byte* staged_tail = staged + sizeof(float) * state_floats_;
+  M3_CUDA_CHECK(cudaMemcpyAsync(slot.counter, staged_tail, sizeof(uint64_t), cudaMemcpyHostToDevice, copy_stream_));
+  M3_CUDA_CHECK(cudaMemcpyAsync(slot.last_token, staged_tail + sizeof(uint64_t), sizeof(int32_t),
+                                cudaMemcpyHostToDevice, copy_stream_));
+  M3_CUDA_CHECK(cudaEventRecord(copied_, copy_stream_));
+  M3_CUDA_CHECK(cudaStreamWaitEvent(step_stream, copied_, 0));
+  load_pending_ = true;
+  return {has_sample == 1, parity};
+}
+
+}  // namespace m3::cuda

@@ -1,0 +1,67 @@
+// One slot's device state copied to and from host bytes beside the decode steps: the
+// copies run on their own stream, ordered after every step already queued on the step
+// stream (a step still queued may write the slot), and a load makes the step stream wait
+// for it, so the next step reads what was loaded. The other slots' steps go on meanwhile;
+// a save waits only for the steps queued before it.
+//
+// The bytes (host order): the slot's whole state region as the engine keeps it (both
+// halves of the double-buffered angles and k_prev), the random-draw counter (u64), the
+// last sampled token (i32), whether there is one (u8), the parity that picks the current
+// half (u8), two zero bytes. Loading the parity back keeps the current half current, so
+// the bytes go into any slot.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+
+#include "model/cuda/cuda_handle.h"
+#include "model/cuda/device_buffer.h"
+
+namespace m3::cuda {
+
+// One slot's device regions and the host bookkeeping that goes with them.
+struct SlotDeviceState {
+  float* state = nullptr;  // slot_state_floats floats
+  uint64_t* counter = nullptr;
+  int32_t* last_token = nullptr;
+};
+struct SlotHostFlags {
+  bool has_sample = false;
+  uint32_t parity = 0;  // 0 or 1
+};
+
+class SlotStateCopier {
+ public:
+  SlotStateCopier() = default;
+  // Allocates the pinned staging buffer and the side stream (at load, never per step).
+  explicit SlotStateCopier(size_t slot_state_floats);
+
+  size_t bytes() const { return bytes_; }
+
+  // Copies the slot into `out` (bytes() long) as the steps queued on `step_stream` so far
+  // leave it; returns when the bytes are in `out`.
+  void save(cudaStream_t step_stream, const SlotDeviceState& slot, SlotHostFlags flags,
+            std::span<std::byte> out);
+  // Throws std::invalid_argument unless `in` is bytes() long with a token below
+  // `vocab_size` and flags of 0 or 1 (no CUDA call: a refusal leaves the engine usable).
+  void check(std::span<const std::byte> in, int vocab_size) const;
+  // Checks `in` (check()), then queues its copy into
+  // the slot after what `step_stream` has queued and makes `step_stream` wait for it.
+  // Returns the flags the engine's host side takes for the slot.
+  SlotHostFlags load(cudaStream_t step_stream, const SlotDeviceState& slot, std::span<const std::byte> in,
+                     int vocab_size);
+
+ private:
+  size_t state_floats_ = 0;
+  size_t bytes_ = 0;
+  PinnedBuffer staging_;
+  CudaStream copy_stream_;
+  CudaEvent steps_queued_;  // recorded on the step stream: what the copy waits for
+  CudaEvent copied_;        // recorded on the copy stream: what the staging buffer waits for
+  bool load_pending_ = false;  // staging_ is still the source of a queued load
+};
+
+}  // namespace m3::cuda
