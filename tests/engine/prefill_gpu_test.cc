@@ -36,6 +36,10 @@ void PrintTo(const GpuCase& c, std::ostream* os) { *os << c.name; }
 
 const char* path_name(PrefillPath p) { return p == PrefillPath::Chunked ? "chunked" : "steps"; }
 
+}  // namespace
+void PrintTo(PrefillPath p, std::ostream* os) { *os << path_name(p); }  // beside PrefillPath, for gtest
+namespace {
+
 class CudaPrefill : public ::testing::TestWithParam<std::tuple<GpuCase, PrefillPath>> {
  protected:
   const GpuCase& feature() const { return std::get<0>(GetParam()); }
@@ -121,6 +125,36 @@ INSTANTIATE_TEST_SUITE_P(
     [](const ::testing::TestParamInfo<std::tuple<GpuCase, PrefillPath>>& info) {
       return std::string(std::get<0>(info.param).name) + "_" + path_name(std::get<1>(info.param));
     });
+
+// The sample after the prompt, the next input it becomes (kContinueToken) and the
+// random-draw counter: the chunked engine and the stepping one (fp32, both CUDA) sample the
+// same ids at temperature 1 after the prompt and through the continuation, which feeds
+// each engine its own samples. A counter left behind by the run's length, or a last token
+// not written, makes the draws differ at once.
+TEST(CudaPrefillSampling, ChunkedLeavesTheNextInputAndCountersAsSteps) {
+  if (!cuda_backend_available()) GTEST_SKIP() << "no CUDA device (or a build without CUDA)";
+  ScratchDir dir("gpu_prefill_sampling");
+  testing::write_model(testing::small_config(), dir.path());
+  const ModelWeights weights = ModelWeights::load(dir.path());
+  auto engine = [&](PrefillPath path) {
+    EngineOptions o;
+    o.max_slots = 3;
+    o.weight_dtype = WeightDType::F32;
+    o.deterministic = true;
+    o.cuda.prefill = path;
+    return make_engine("cuda", weights, o);
+  };
+  auto stepped = engine(PrefillPath::Steps), chunked = engine(PrefillPath::Chunked);
+  PrefillComparison c;
+  c.lengths = {1, 40, 300};
+  c.pieces = 3;
+  c.sampling.temperature = 1.0f;
+  c.sampling.seed = 5;
+  c.continue_steps = 16;
+  c.tolerance = 1e-3f;
+  c.compare_samples = true;
+  testing::compare_prefill_with_steps(*stepped, *chunked, c);
+}
 
 // cuda.prefill: chunked on a head shape the chunked scan cannot run (headdim 8; the decode
 // step can) fails at load, naming the setting and the reason.
