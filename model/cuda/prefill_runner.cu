@@ -122,6 +122,9 @@ PrefillRunner::PrefillRunner(const ModelConfig& config, const DeviceWeights& wei
     s.params = buffers_.sampling;
     s.counters = buffers_.counters;
     s.last_token = buffers_.last_token;
+    s.masks = buffers_.masks;
+    s.tokens = table_.as<int32_t>() + last_token_at();
+    s.frame_positions = buffers_.frame_positions;
     s.sampled = sampled_mapped_;
     s.batch = b;
     sampling_.push_back(kernels::plan_sampling(s));
@@ -153,6 +156,7 @@ void PrefillRunner::run(std::span<const PrefillRun> runs, std::span<const int32_
     }
     th[slot_at() + i] = runs[i].slot;
     th[parity_at() + i] = parities[i];
+    th[last_token_at() + i] = runs[i].tokens.back();
     lengths_[i] = len;
     std::copy(runs[i].tokens.begin(), runs[i].tokens.end(), th + tokens_at() + tokens);
     tokens += len;

@@ -56,7 +56,10 @@ class PrefillRunner {
   size_t parity_at() const { return static_cast<size_t>(max_runs_); }
   size_t token_begin_at() const { return 2 * static_cast<size_t>(max_runs_); }
   size_t chunk_begin_at() const { return 3 * static_cast<size_t>(max_runs_) + 1; }
-  size_t tokens_at() const { return 4 * static_cast<size_t>(max_runs_) + 2; }
+  // Each run's last token: the sampling kernel's input token (a sample after an input
+  // token is drawn at a mask's frame position 0, as a step would draw it).
+  size_t last_token_at() const { return 4 * static_cast<size_t>(max_runs_) + 2; }
+  size_t tokens_at() const { return 5 * static_cast<size_t>(max_runs_) + 2; }
 
   const ModelConfig& config_;
   const DeviceWeights& weights_;
