@@ -63,6 +63,19 @@ __global__ void __launch_bounds__(kThreads) last_rows_kernel(const float* x, int
 
 }  // namespace
 
+__global__ void advance_run_counters_kernel(uint64_t* counters, const int32_t* slot, const int32_t* token_begin,
+                                            int runs) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < runs) counters[slot[i]] += static_cast<uint64_t>(token_begin[i + 1] - token_begin[i] - 1);
+}
+
+void advance_run_counters(uint64_t* counters, const int32_t* slot, const int32_t* token_begin, int runs,
+                          cudaStream_t stream) {
+  if (runs <= 0) return;
+  advance_run_counters_kernel<<<(runs + 127) / 128, 128, 0, stream>>>(counters, slot, token_begin, runs);
+  M3_CUDA_CHECK(cudaGetLastError());
+}
+
 void last_rows_of_runs(const float* x, int x_stride, const int32_t* token_begin, int runs, int cols, float* out,
                        int out_stride, cudaStream_t stream) {
   if (runs <= 0) return;

@@ -31,6 +31,11 @@ void gated_silu_rows(const float* in, int in_stride, int F, void* out, WeightDTy
 void last_rows_of_runs(const float* x, int x_stride, const int32_t* token_begin, int runs, int cols, float* out,
                        int out_stride, cudaStream_t stream);
 
+// counters[slot[i]] += (run i's length) - 1 for i < runs: the random-draw counters as the
+// run's steps before its last would leave them (the sampling after the run adds the last one).
+void advance_run_counters(uint64_t* counters, const int32_t* slot, const int32_t* token_begin, int runs,
+                          cudaStream_t stream);
+
 // The token-row buffers of one prefill layer, sized once for a token budget: rows are
 // lt_gemm_padded_rows(max_tokens) (the GEMMs compute whole row buckets) and every row
 // stride is its width rounded up to 8 elements (16-byte rows for the GEMMs). `act` is the

@@ -65,7 +65,8 @@ CudaEngine::CudaEngine(const ModelWeights& weights, const EngineOptions& options
       max_slots_(options.max_slots),
       scratch_slot_(options.max_slots),
       use_graphs_(options.use_graphs),
-      device_(options.device) {
+      device_(options.device),
+      prefill_token_budget_(options.max_prefill_tokens) {
   if (max_slots_ < 1) {
     throw std::invalid_argument("cuda engine: max_slots must be at least 1, got " +
                                 std::to_string(max_slots_));
@@ -79,6 +80,13 @@ CudaEngine::CudaEngine(const ModelWeights& weights, const EngineOptions& options
   }
   M3_CUDA_CHECK(cudaSetDevice(device_));
   check_config_supported(config_);
+  if (policy_.prefill == PrefillPath::Chunked) {
+    // Refused before anything is uploaded, in the config's terms.
+    if (const std::string why = PrefillRunner::refusal(config_, options.weight_dtype); !why.empty()) {
+      throw std::invalid_argument("cuda engine: cuda.prefill: chunked cannot run this model: " + why +
+                                  " (cuda.prefill: steps can)");
+    }
+  }
   M3_CUDA_CHECK(cudaStreamCreateWithFlags(stream_.out(), cudaStreamNonBlocking));
   M3_CUDA_CHECK(cudaStreamCreateWithFlags(table_stream_.out(), cudaStreamNonBlocking));
   for (auto& e : table_ready_) M3_CUDA_CHECK(cudaEventCreateWithFlags(e.out(), cudaEventDisableTiming));
@@ -107,6 +115,11 @@ CudaEngine::CudaEngine(const ModelWeights& weights, const EngineOptions& options
   for (auto& e : step_done_) M3_CUDA_CHECK(cudaEventCreateWithFlags(e.out(), cudaEventDisableTiming));
 
   build_steps();
+  if (policy_.prefill == PrefillPath::Chunked) {
+    prefill_runner_ = std::make_unique<PrefillRunner>(config_, weights_, buffers_, layout_, policy_, max_slots_,
+                                                      prefill_token_budget_);
+    prefill_parities_.assign(max_slots_, 0);
+  }
   zero_slot(scratch_slot_);  // the variants' trial steps ran on it
   M3_CUDA_CHECK(cudaDeviceSynchronize());
 }
@@ -376,12 +389,7 @@ void CudaEngine::enqueue_step(std::span<const int32_t> slots, std::span<const in
     th[2 * B + i] = static_cast<int32_t>(steps_since_reset_[slots[i]] & 1);
   }
   for (int i = static_cast<int>(n); i < g.plan.batch; ++i) { th[i] = scratch_slot_; th[B + i] = 0; th[2 * B + i] = 0; }
-  if (params_dirty_) {
-    auto* ph = params_host_.as<kernels::SlotSampling>() + q * params_.size();
-    std::copy(params_.begin(), params_.end(), ph);
-    M3_CUDA_CHECK(cudaMemcpyAsync(params_dev_.get(), ph, params_dev_.bytes(), cudaMemcpyHostToDevice, stream_));
-    params_dirty_ = false;
-  }
+  upload_params_if_dirty(q);
   // Table q's last reader is the step collected before this one took position q, so the
   // copy may run at once, beside the step now on the device.
   M3_CUDA_CHECK(cudaMemcpyAsync(table_.as<int32_t>() + q * table_ints(), th, sizeof(int32_t) * table_ints(),
@@ -403,6 +411,41 @@ void CudaEngine::enqueue_step(std::span<const int32_t> slots, std::span<const in
   ++stats_.steps;
   if (use_graphs_) ++stats_.graph_replays;
   stats_.tokens += n;
+}
+
+void CudaEngine::upload_params_if_dirty(int q) {
+  if (!params_dirty_) return;
+  auto* ph = params_host_.as<kernels::SlotSampling>() + q * params_.size();
+  std::copy(params_.begin(), params_.end(), ph);
+  M3_CUDA_CHECK(cudaMemcpyAsync(params_dev_.get(), ph, params_dev_.bytes(), cudaMemcpyHostToDevice, stream_));
+  params_dirty_ = false;
+}
+
+void CudaEngine::prefill(std::span<const PrefillRun> runs, std::span<int32_t> sampled, std::span<float> logits) {
+  if (!prefill_runner_) {
+    Engine::prefill(runs, sampled, logits);
+    return;
+  }
+  check_usable("prefill");
+  const size_t tokens = validate_prefill(runs, sampled, logits);  // also: no step queued
+  if (runs.empty()) return;
+  for (size_t i = 0; i < runs.size(); ++i) {
+    prefill_parities_[i] = static_cast<int32_t>(steps_since_reset_[runs[i].slot] & 1);
+  }
+  // Validated: from here on a failure may leave part of the call on the device. With no
+  // step queued, queue position 0's host copy of the parameters is free.
+  or_unusable([&] {
+    upload_params_if_dirty(0);
+    prefill_runner_->run(runs, std::span<const int32_t>(prefill_parities_.data(), runs.size()), sampled, logits,
+                         stream_);
+  });
+  // The slots as runs[i].tokens.size() steps would leave them: the sample is on the device
+  // (last_token), and the state parity moved on by the run's length.
+  for (const PrefillRun& run : runs) {
+    has_sample_[run.slot] = 1;
+    steps_since_reset_[run.slot] += run.tokens.size();
+  }
+  stats_.tokens += tokens;
 }
 
 void CudaEngine::collect_step(std::span<int32_t> sampled) {

@@ -22,6 +22,7 @@
 #include "model/cuda/device_weights.h"
 #include "model/cuda/profiling.h"
 #include "model/cuda/slot_state_copy.h"
+#include "model/cuda/prefill_runner.h"
 #include "model/cuda/step_graph.h"
 #include "model/cuda/step_plan.h"
 #include "model/engine.h"
@@ -48,6 +49,12 @@ class CudaEngine final : public Engine, public CudaProfiling {
             std::span<int32_t> sampled, std::span<float> logits = {}) override;
   void submit_step(std::span<const int32_t> slots, std::span<const int32_t> tokens) override;
   void collect_step(std::span<int32_t> sampled) override;
+  // cuda.prefill: chunked reads the runs with the chunked kernels (prefill_runner.h);
+  // steps leaves prefill() to the base class (a decode step a token).
+  void prefill(std::span<const PrefillRun> runs, std::span<int32_t> sampled,
+               std::span<float> logits = {}) override;
+  int max_prefill_tokens() const override { return prefill_token_budget_; }
+  bool has_prefill_path() const override { return prefill_runner_ != nullptr; }
   EngineStats stats() const override { return stats_; }
   // On copy_stream beside the steps (slot_state_copy.h).
   size_t slot_state_bytes() const override { return slot_copier_.bytes(); }
@@ -87,6 +94,9 @@ class CudaEngine final : public Engine, public CudaProfiling {
   void build_steps();
   void zero_slot(int slot);
   SlotDeviceState device_slot(int slot) const;
+  // The sampling parameters to the device (through queue position q's host copy) when
+  // set_sampling changed them since the last upload.
+  void upload_params_if_dirty(int q);
   // submit_step, and the copy of the step's logits into `logits` (when not empty) before
   // the step counts as done.
   void submit(std::span<const int32_t> slots, std::span<const int32_t> tokens, std::span<float> logits);
@@ -144,6 +154,9 @@ class CudaEngine final : public Engine, public CudaProfiling {
   std::vector<int> bucket_of_batch_;  // index into graphs_ for 1..max_slots
   std::vector<StepGraph> graphs_;         // per bucket, reading table 0 (m3bench's replays too)
   std::vector<StepGraph> graphs_table1_;  // the same steps reading table 1
+  int prefill_token_budget_ = 0;
+  std::unique_ptr<PrefillRunner> prefill_runner_;  // cuda.prefill: chunked only
+  std::vector<int32_t> prefill_parities_;          // [max_slots], filled per prefill call
 
   bool params_dirty_ = true;
   std::vector<uint8_t> has_sample_;

@@ -22,6 +22,7 @@
 #include "model/config.h"
 #include "model/cpu/cpu_ops.h"
 #include "model/cpu/cpu_thread_pool.h"
+#include "model/cuda_policy.h"
 #include "model/engine.h"
 #include "model/random_model.h"
 #include "model/weights.h"
@@ -41,7 +42,9 @@ constexpr const char* kUsage =
     "                       [--threads 0] [--json OUT] [--seed 1]\n"
     "  --len: prompt lengths in [1, 1048576]; --batch: prompts read together, in [1, 4096];\n"
     "  each (len, batch) is one prefill() call of len x batch tokens. --iters: 1 to 1000\n"
-    "  timed calls per case (median). --threads: CPU engine threads (0: all cores).\n";
+    "  timed calls per case (median). --threads: CPU engine threads (0: all cores).\n"
+    "  The CUDA engine's policy flags (--cuda-prefill chunked reads with the chunked kernels;\n"
+    "  the default, steps, one decode step a token):\n";
 
 struct Options {
   std::string config;
@@ -53,6 +56,7 @@ struct Options {
   int threads = 0;
   std::string json;
   uint64_t seed = 1;
+  CudaPolicy cuda;
 };
 
 int parse_int(std::string_view flag, std::string_view text, int min, int max) {
@@ -96,6 +100,7 @@ Options parse(int argc, char** argv) {
     else if (a == "--threads") o.threads = parse_int("--threads", value(), 0, 1024);
     else if (a == "--json") o.json = value();
     else if (a == "--seed") o.seed = static_cast<uint64_t>(parse_int("--seed", value(), 0, 1 << 30));
+    else if (a.rfind("--cuda-", 0) == 0 && set_cuda_policy_flag(o.cuda, a, value())) continue;
     else throw std::invalid_argument("unknown argument " + a);
   }
   if (o.config.empty()) throw std::invalid_argument("--config is required");
@@ -279,6 +284,7 @@ int run(const Options& o) {
   eo.weight_dtype = bf16 ? WeightDType::BF16 : WeightDType::F32;
   eo.cpu_threads = o.threads;
   eo.max_prefill_tokens = static_cast<int>(max_tokens);
+  eo.cuda = o.cuda;
   auto engine = make_engine(backend, weights, eo);
 
   MatrixRate rate;
@@ -363,6 +369,8 @@ int run(const Options& o) {
     j["device"] = device;
     j["dtype"] = bf16 ? "bf16" : "fp32";
     j["iters"] = o.iters;
+    j["cuda_policy"] = to_string(o.cuda);
+    j["prefill_path"] = engine->has_prefill_path() ? "engine's own" : "decode steps";
     j["matrix_flops_per_s"] = rate.flops_per_s;
     j["matrix_rate_measured_with"] = rate.how;
     j["copy_bandwidth_bytes_per_s"] = bandwidth;
@@ -396,7 +404,7 @@ int run(const Options& o) {
 int run_bench_prefill(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     if (std::string_view(argv[i]) == "--help" || std::string_view(argv[i]) == "-h") {
-      std::cout << kUsage;
+      std::cout << kUsage << cuda_policy_flags_help();
       return 0;
     }
   }

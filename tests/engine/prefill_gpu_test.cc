@@ -1,11 +1,16 @@
-// prefill() on the CUDA engine against the same engine fed one step() at a time: the
-// lengths, model features, several slots in one call and a prompt in pieces that the CPU
-// tests cover, within the golden tolerances (fp32 1e-3, bf16 3e-2; the continuation is
-// teacher-forced so that a near tie does not cascade). Skips without a CUDA device.
+// prefill() on the CUDA engine, both ways it can read a prompt (cuda.prefill: steps, the
+// base class's decode step a token, and chunked, the GEMMs and the chunked scan), against
+// the CPU engine fed one step() at a time: the lengths, model features, several slots in
+// one call and a prompt in pieces that the CPU tests cover, within the golden tolerances
+// (fp32 1e-3, bf16 3e-2) on the last prompt token's logits and on every continuation
+// step's, which read the state, angles, k_prev/x_prev and next input prefill left (the
+// continuation is teacher-forced so that a near tie does not cascade). Skips without a
+// CUDA device.
 #include <gtest/gtest.h>
 
 #include <memory>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "model/engine.h"
@@ -29,30 +34,49 @@ struct GpuCase {
 
 void PrintTo(const GpuCase& c, std::ostream* os) { *os << c.name; }
 
-class CudaPrefill : public ::testing::TestWithParam<GpuCase> {
+const char* path_name(PrefillPath p) { return p == PrefillPath::Chunked ? "chunked" : "steps"; }
+
+}  // namespace
+void PrintTo(PrefillPath p, std::ostream* os) { *os << path_name(p); }  // beside PrefillPath, for gtest
+namespace {
+
+class CudaPrefill : public ::testing::TestWithParam<std::tuple<GpuCase, PrefillPath>> {
  protected:
+  const GpuCase& feature() const { return std::get<0>(GetParam()); }
+  PrefillPath path() const { return std::get<1>(GetParam()); }
   void SetUp() override {
     if (!cuda_backend_available()) GTEST_SKIP() << "no CUDA device (or a build without CUDA)";
     ModelConfig config = testing::small_config();
-    config.ssm.rope_fraction = GetParam().rope_fraction;
-    config.ssm.is_outproj_norm = GetParam().outproj_norm;
-    config.d_intermediate = GetParam().d_intermediate;
-    dir_ = std::make_unique<ScratchDir>(std::string("gpu_prefill_") + GetParam().name);
+    config.ssm.rope_fraction = feature().rope_fraction;
+    config.ssm.is_outproj_norm = feature().outproj_norm;
+    config.d_intermediate = feature().d_intermediate;
+    dir_ = std::make_unique<ScratchDir>(std::string("gpu_prefill_") + feature().name + "_" + path_name(path()));
     testing::write_model(config, dir_->path());
     weights_ = std::make_unique<ModelWeights>(ModelWeights::load(dir_->path()));
   }
   std::unique_ptr<Engine> engine(int slots) {
     EngineOptions o;
     o.max_slots = slots;
-    o.weight_dtype = GetParam().dtype;
+    o.weight_dtype = feature().dtype;
     o.max_prefill_tokens = 8192;
     o.deterministic = true;
-    return make_engine("cuda", *weights_, o);
+    o.cuda.prefill = path();
+    auto e = make_engine("cuda", *weights_, o);
+    EXPECT_EQ(e->has_prefill_path(), path() == PrefillPath::Chunked);
+    EXPECT_EQ(e->max_prefill_tokens(), 8192);
+    return e;
+  }
+  // The reference: the CPU engine (fp32) one step() a token.
+  std::unique_ptr<Engine> reference(int slots) {
+    EngineOptions o;
+    o.max_slots = slots;
+    o.max_prefill_tokens = 8192;
+    return make_engine("cpu", *weights_, o);
   }
   void check(PrefillComparison c) {
     const int n = static_cast<int>(c.lengths.size());
-    auto stepped = engine(n), prefilled = engine(n);
-    c.tolerance = GetParam().dtype == WeightDType::F32 ? 1e-3f : 3e-2f;
+    auto stepped = reference(n), prefilled = engine(n);
+    c.tolerance = feature().dtype == WeightDType::F32 ? 1e-3f : 3e-2f;
     c.compare_samples = false;
     testing::compare_prefill_with_steps(*stepped, *prefilled, c);
   }
@@ -83,14 +107,77 @@ TEST_P(CudaPrefill, PromptInPieces) {
   check(c);
 }
 
+TEST_P(CudaPrefill, DecodeContinuesAfterLongerPrompts) {
+  PrefillComparison c;
+  c.lengths = {65, 255};
+  c.continue_steps = 32;
+  check(c);
+}
+
 INSTANTIATE_TEST_SUITE_P(
     Features, CudaPrefill,
-    ::testing::Values(GpuCase{"fp32_rope_half", 0.5, false, 0, WeightDType::F32},
-                      GpuCase{"fp32_rope_full", 1.0, false, 0, WeightDType::F32},
-                      GpuCase{"fp32_outproj_norm", 0.5, true, 0, WeightDType::F32},
-                      GpuCase{"fp32_mlp", 0.5, false, 100, WeightDType::F32},
-                      GpuCase{"bf16_all", 1.0, true, 200, WeightDType::BF16}),
-    [](const ::testing::TestParamInfo<GpuCase>& info) { return std::string(info.param.name); });
+    ::testing::Combine(::testing::Values(GpuCase{"fp32_rope_half", 0.5, false, 0, WeightDType::F32},
+                                         GpuCase{"fp32_rope_full", 1.0, false, 0, WeightDType::F32},
+                                         GpuCase{"fp32_outproj_norm", 0.5, true, 0, WeightDType::F32},
+                                         GpuCase{"fp32_mlp", 0.5, false, 100, WeightDType::F32},
+                                         GpuCase{"bf16_all", 1.0, true, 200, WeightDType::BF16}),
+                       ::testing::Values(PrefillPath::Steps, PrefillPath::Chunked)),
+    [](const ::testing::TestParamInfo<std::tuple<GpuCase, PrefillPath>>& info) {
+      return std::string(std::get<0>(info.param).name) + "_" + path_name(std::get<1>(info.param));
+    });
+
+// The sample after the prompt, the next input it becomes (kContinueToken) and the
+// random-draw counter: the chunked engine and the stepping one (fp32, both CUDA) sample the
+// same ids at temperature 1 after the prompt and through the continuation, which feeds
+// each engine its own samples. A counter left behind by the run's length, or a last token
+// not written, makes the draws differ at once.
+TEST(CudaPrefillSampling, ChunkedLeavesTheNextInputAndCountersAsSteps) {
+  if (!cuda_backend_available()) GTEST_SKIP() << "no CUDA device (or a build without CUDA)";
+  ScratchDir dir("gpu_prefill_sampling");
+  testing::write_model(testing::small_config(), dir.path());
+  const ModelWeights weights = ModelWeights::load(dir.path());
+  auto engine = [&](PrefillPath path) {
+    EngineOptions o;
+    o.max_slots = 3;
+    o.weight_dtype = WeightDType::F32;
+    o.deterministic = true;
+    o.cuda.prefill = path;
+    return make_engine("cuda", weights, o);
+  };
+  auto stepped = engine(PrefillPath::Steps), chunked = engine(PrefillPath::Chunked);
+  PrefillComparison c;
+  c.lengths = {1, 40, 300};
+  c.pieces = 3;
+  c.sampling.temperature = 1.0f;
+  c.sampling.seed = 5;
+  c.continue_steps = 16;
+  c.tolerance = 1e-3f;
+  c.compare_samples = true;
+  testing::compare_prefill_with_steps(*stepped, *chunked, c);
+}
+
+// cuda.prefill: chunked on a head shape the chunked scan cannot run (headdim 8; the decode
+// step can) fails at load, naming the setting and the reason.
+TEST(CudaPrefillLoad, ChunkedRefusesAShapeItCannotRun) {
+  if (!cuda_backend_available()) GTEST_SKIP() << "no CUDA device (or a build without CUDA)";
+  ModelConfig config = testing::small_config();
+  config.ssm.headdim = 8;
+  ScratchDir dir("gpu_prefill_refused_shape");
+  testing::write_model(config, dir.path());
+  const ModelWeights weights = ModelWeights::load(dir.path());
+  EngineOptions o;
+  o.cuda.prefill = PrefillPath::Steps;
+  EXPECT_FALSE(make_engine("cuda", weights, o)->has_prefill_path());
+  o.cuda.prefill = PrefillPath::Chunked;
+  try {
+    make_engine("cuda", weights, o);
+    FAIL() << "chunked prefill accepted headdim 8";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("cuda.prefill: chunked cannot run this model"), std::string::npos)
+        << e.what();
+    EXPECT_NE(std::string(e.what()).find("headdim"), std::string::npos) << e.what();
+  }
+}
 
 }  // namespace
 }  // namespace m3

@@ -76,5 +76,50 @@ TEST(CudaEngineAllocation, StepsAllocateNothingOnTheHost) {
   EXPECT_EQ(seen, 2);
 }
 
+// cuda.prefill: chunked: a prefill() call allocates nothing on the host either (its run
+// table is pinned and sized at load), with runs of several lengths and slot counts, steps
+// continuing between the calls.
+TEST(CudaEngineAllocation, ChunkedPrefillAllocatesNothingOnTheHost) {
+  M3_REQUIRE_CUDA_DEVICE();
+  ModelConfig c = testing::small_config();
+  c.d_intermediate = 64;
+  testing::ScratchDir dir("cuda_no_alloc_prefill");
+  testing::write_model(c, dir.path());
+  const ModelWeights weights = ModelWeights::load(dir.path());
+  EngineOptions o;
+  o.max_slots = 4;
+  o.weight_dtype = WeightDType::BF16;
+  o.max_prefill_tokens = 1024;
+  o.cuda.prefill = PrefillPath::Chunked;
+  auto engine = make_cuda_engine(weights, o);
+  ASSERT_TRUE(engine->has_prefill_path());
+
+  std::vector<int32_t> prompt(1024);
+  for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = static_cast<int32_t>(i * 7 % 200);
+  std::vector<int32_t> sampled(4);
+  std::vector<float> logits(4 * static_cast<size_t>(c.padded_vocab()));
+  std::vector<PrefillRun> runs(4);
+  const std::vector<int32_t> all = {0, 1, 2, 3}, cont = {-1, -1, -1, -1};
+  auto call = [&](int n, int t) {
+    for (int i = 0; i < n; ++i) {
+      const size_t len = 1 + static_cast<size_t>((t * 37 + i * 101) % 250);
+      runs[i] = PrefillRun{i, std::span<const int32_t>(prompt.data() + i * 250, len)};
+    }
+    const std::span<const PrefillRun> r(runs.data(), n);
+    if (t % 2) {
+      engine->prefill(r, std::span<int32_t>(sampled.data(), n),
+                      std::span<float>(logits.data(), static_cast<size_t>(n) * c.padded_vocab()));
+    } else {
+      engine->prefill(r, std::span<int32_t>(sampled.data(), n));
+    }
+    engine->step(all, cont, sampled);
+  };
+  for (int n = 4; n >= 1; --n) call(n, n);  // every slot fed first (the steps continue all four)
+
+  testing::start_counting_allocations();
+  for (int t = 0; t < 20; ++t) call(1 + t % 4, t);
+  EXPECT_EQ(testing::stop_counting_allocations(), 0);
+}
+
 }  // namespace
 }  // namespace m3
