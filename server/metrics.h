@@ -7,6 +7,7 @@
 
 #include <array>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -24,13 +25,15 @@ namespace m3 {
 class ServerMetrics {
  public:
   // The final statuses count_request() knows; any other string counts as "unknown".
-  static constexpr std::array<std::string_view, 8> kRequestStatuses = {
+  static constexpr std::array<std::string_view, 9> kRequestStatuses = {
       "ok",       "cancelled",   "invalid_argument", "resource_exhausted", "deadline_exceeded",
-      "internal", "unavailable", "unknown"};
+      "internal", "unavailable", "unauthenticated",  "unknown"};
 
   // bind_address: "host:port" for the /metrics exposer (port 0: any free port), or "" for
-  // none. Throws std::runtime_error when it cannot listen there.
-  explicit ServerMetrics(const std::string& bind_address);
+  // none. Throws std::runtime_error when it cannot listen there. basic_auth: when set,
+  // /metrics answers only requests whose HTTP basic auth it accepts (user, password).
+  using BasicAuth = std::function<bool(const std::string& user, const std::string& password)>;
+  explicit ServerMetrics(const std::string& bind_address, BasicAuth basic_auth = nullptr);
   ~ServerMetrics();
   ServerMetrics(const ServerMetrics&) = delete;
   ServerMetrics& operator=(const ServerMetrics&) = delete;

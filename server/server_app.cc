@@ -3,6 +3,8 @@
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
+#include <grpcpp/impl/server_builder_option.h>
+#include <grpcpp/impl/server_builder_plugin.h>
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
@@ -14,6 +16,7 @@
 #include "model/tokenizer.h"
 #include "model/vocab_layout.h"
 #include "model/weights.h"
+#include "server/api_keys.h"
 #include "server/demo_model.h"
 #include "server/library_logs.h"
 #include "server/m3serve_service.h"
@@ -24,6 +27,7 @@
 #include "server/service_context.h"
 #include "server/stalled_streams.h"
 #include "server/vocab_serving.h"
+#include "server/tls_files.h"
 
 namespace m3 {
 namespace {
@@ -31,6 +35,18 @@ namespace {
 WeightDType weight_dtype_of(const std::string& name) {
   return name == "fp32" ? WeightDType::F32 : WeightDType::BF16;
 }
+
+// Takes server reflection off a server whose RPCs need an API key: reflection would need
+// none (gRPC's plugin is one service for every server of the process).
+class WithoutReflection final : public grpc::ServerBuilderOption {
+ public:
+  void UpdateArguments(grpc::ChannelArguments*) override {}
+  void UpdatePlugins(std::vector<std::unique_ptr<grpc::ServerBuilderPlugin>>* plugins) override {
+    plugins->erase(std::remove_if(plugins->begin(), plugins->end(),
+                                  [](const auto& p) { return p->name() == "proto_server_reflection"; }),
+                   plugins->end());
+  }
+};
 
 // A setting in seconds as the scheduler's and the sweeper's clock duration.
 Clock::duration from_seconds(double seconds) {
@@ -97,7 +113,17 @@ ServerApp::ServerApp(const ServerConfig& config, std::shared_ptr<spdlog::logger>
     }
   }
 
-  metrics_ = std::make_unique<ServerMetrics>(config_.metrics_listen);
+  if (!config_.api_keys.empty()) api_keys_ = std::make_unique<ApiKeys>(config_.api_keys);
+  if (!config_.tls_cert.empty())
+    tls_ = std::make_unique<TlsFiles>(config_.tls_cert, config_.tls_key, config_.tls_client_ca);
+  ServerMetrics::BasicAuth metrics_auth;
+  if (!config_.metrics_auth.empty()) {
+    metrics_users_ = std::make_unique<ApiKeys>(config_.metrics_auth, "metrics_auth");
+    metrics_auth = [users = metrics_users_.get()](const std::string& user, const std::string& password) {
+      return users->accepts(user + ":" + password);
+    };
+  }
+  metrics_ = std::make_unique<ServerMetrics>(config_.metrics_listen, std::move(metrics_auth));
   request_log_ = std::make_unique<RequestLog>(logger_);
   library_log_route_ = std::make_unique<LibraryLogRoute>(*request_log_);
   SchedulerOptions scheduler_options;
@@ -115,6 +141,7 @@ ServerApp::ServerApp(const ServerConfig& config, std::shared_ptr<spdlog::logger>
   context_->metrics = metrics_.get();
   context_->log = request_log_.get();
   context_->tokenizer = tokenizer_.get();
+  context_->api_keys = api_keys_.get();
   context_->limits.vocab_size = mc.vocab_size;
   context_->limits.max_new_tokens_limit = config_.max_new_tokens_limit;
   context_->limits.max_prompt_tokens = config_.max_prompt_tokens;
@@ -157,7 +184,8 @@ ServerApp::ServerApp(const ServerConfig& config, std::shared_ptr<spdlog::logger>
   const int64_t per_token = std::max<int64_t>(5, kMaxTextBytesPerToken);
   const int64_t max_message = std::max<int64_t>(4 << 20, per_token * config_.max_prompt_tokens + (64 << 10));
   builder.SetMaxReceiveMessageSize(static_cast<int>(std::min<int64_t>(max_message, INT32_MAX)));
-  builder.AddListeningPort(config_.listen, grpc::InsecureServerCredentials(), &port_);
+  if (api_keys_) builder.SetOption(std::make_unique<WithoutReflection>());
+  builder.AddListeningPort(config_.listen, tls_ ? tls_->credentials() : grpc::InsecureServerCredentials(), &port_);
   builder.RegisterService(service_.get());
   server_ = builder.BuildAndStart();
   if (!server_ || port_ == 0)
@@ -167,11 +195,14 @@ ServerApp::ServerApp(const ServerConfig& config, std::shared_ptr<spdlog::logger>
   // got NOT_FOUND. SetServingStatus(bool) below and in shutdown covers every name set.
   server_->GetHealthCheckService()->SetServingStatus(v1::M3Serve::service_full_name(), true);
   server_->GetHealthCheckService()->SetServingStatus(true);
-  logger_->info("serving m3serve.v1.M3Serve on {} (metrics: {})", address(),
+  logger_->info("serving m3serve.v1.M3Serve on {} ({}; {}) (metrics: {}{})", address(),
+                !tls_ ? "plaintext, no TLS" : tls_->mutual() ? "mutual TLS" : "TLS",
+                api_keys_ ? fmt::format("{} API keys", api_keys_->size()) : std::string("no API key needed"),
                 config_.metrics_listen.empty()
                     ? std::string("off")
                     : "http://" + config_.metrics_listen.substr(0, config_.metrics_listen.rfind(':')) +
-                          ":" + std::to_string(metrics_->exposer_port()) + "/metrics");
+                          ":" + std::to_string(metrics_->exposer_port()) + "/metrics",
+                metrics_users_ ? ", basic auth" : "");
   // Last: nothing after it may throw (a joinable thread's destructor would terminate).
   stream_sweeper_ = std::thread([this] { sweep_streams(); });
 }
@@ -201,6 +232,40 @@ void ServerApp::sweep_streams() {
                     "(stalled_stream_timeout_s)", cut, config_.stalled_stream_timeout_s);
     lock.lock();
   }
+}
+
+void ServerApp::begin_drain() {
+  {
+    std::lock_guard lock(health_mu_);
+    if (draining_ || health_final_) return;
+    draining_ = true;
+    server_->GetHealthCheckService()->SetServingStatus(false);
+  }
+  logger_->info("draining: health reports NOT_SERVING for {:g}s (drain_delay_s) while requests are still served",
+                config_.drain_delay_s);
+}
+
+bool ServerApp::reload() {
+  bool ok = true;
+  const auto attempt = [&](const char* what, auto&& load) {
+    try {
+      load();
+    } catch (const std::exception& e) {
+      ok = false;
+      logger_->error("SIGHUP: {} not reloaded, the old ones stay in force: {}", what, e.what());
+    }
+  };
+  if (api_keys_) attempt("API keys", [&] { logger_->info("SIGHUP: {} API keys from {}", api_keys_->reload(), config_.api_keys); });
+  if (metrics_users_)
+    attempt("metrics_auth users",
+            [&] { logger_->info("SIGHUP: {} metrics_auth users from {}", metrics_users_->reload(), config_.metrics_auth); });
+  if (tls_)
+    attempt("TLS certificates", [&] {
+      tls_->reload();
+      logger_->info("SIGHUP: TLS certificate {} and key re-read; new connections use them", config_.tls_cert);
+    });
+  if (!api_keys_ && !metrics_users_ && !tls_) logger_->info("SIGHUP: no API keys, metrics_auth or TLS files to re-read");
+  return ok;
 }
 
 void ServerApp::report_not_serving() {

@@ -33,6 +33,8 @@ class RequestLog;
 class LibraryLogRoute;
 class M3ServeService;
 struct ServiceContext;
+class ApiKeys;
+class TlsFiles;
 
 class ServerApp {
  public:
@@ -48,6 +50,14 @@ class ServerApp {
   bool demo_model() const { return demo_model_; }
   // Converse streams open without a session yet (nothing sent); shutdown ends them at once.
   size_t sessions_not_started() const;
+
+  // The first step of a drain (SIGTERM): the health service reports NOT_SERVING, so load
+  // balancers stop sending new work, while calls are still accepted and served; shutdown()
+  // follows after drain_delay_s. Idempotent.
+  void begin_drain();
+  // SIGHUP: re-reads the API keys, the metrics_auth users and the TLS files. Each that
+  // cannot be used is logged and left as it was; returns false when any failed.
+  bool reload();
 
   // Stops accepting; in-flight streams get `grace` to finish, then are cancelled
   // (Generate: Finished with reason CANCELLED; Converse: UNAVAILABLE). Idempotent.
@@ -69,6 +79,9 @@ class ServerApp {
   std::unique_ptr<Engine> engine_;
   std::unique_ptr<Tokenizer> tokenizer_;
   std::unique_ptr<VocabLayout> vocab_;  // the model's vocab.json; null: ids only
+  std::unique_ptr<ApiKeys> api_keys_;       // null: no key needed
+  std::unique_ptr<ApiKeys> metrics_users_;  // metrics_auth's user:password lines; null: open
+  std::unique_ptr<TlsFiles> tls_;           // null: plaintext gRPC
   std::unique_ptr<ServerMetrics> metrics_;
   std::unique_ptr<RequestLog> request_log_;
   // Protobuf's and gRPC's lines into request_log_ (rate-limited) until after server_ is gone.
@@ -82,6 +95,7 @@ class ServerApp {
   bool stopped_ = false;
   std::mutex health_mu_;
   bool health_final_ = false;  // shutdown set NOT_SERVING; nothing touches server_ after it
+  bool draining_ = false;      // begin_drain ran (under health_mu_)
   std::mutex sweep_mu_;
   std::condition_variable sweep_cv_;
   bool sweep_stop_ = false;

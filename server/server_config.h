@@ -11,8 +11,8 @@
 namespace m3 {
 
 struct ServerConfig {
-  std::string listen = "0.0.0.0:50051";     // gRPC address (port 0: any free port)
-  std::string metrics_listen = "0.0.0.0:9464";  // Prometheus /metrics; "" = off
+  std::string listen = "127.0.0.1:50051";   // gRPC address (port 0: any free port)
+  std::string metrics_listen = "127.0.0.1:9464";  // Prometheus /metrics; "" = off
   std::string model;                         // model directory; "" = generated demo model
   std::string demo_model_dir;                // where the demo model goes; "" = cache dir
   std::string tokenizer;                     // SentencePiece .model; "" = token ids only
@@ -35,6 +35,13 @@ struct ServerConfig {
   std::string log_level = "info";            // trace | debug | info | warn | error | off
   // CUDA: how the decode step is built; YAML section `cuda:`, flags --cuda-<key-path>.
   CudaPolicy cuda;
+  // Production: drain, TLS, API keys, /metrics access (issue 27).
+  double drain_delay_s = 5.0;                // SIGTERM: NOT_SERVING this long, still serving, then shutdown
+  std::string tls_cert;                      // PEM certificate chain; with tls_key: gRPC over TLS
+  std::string tls_key;                       // PEM private key of tls_cert
+  std::string tls_client_ca;                 // PEM CA bundle; set: clients need a certificate it signed
+  std::string api_keys;                      // file of keys, one a line; set: RPCs need "Bearer KEY"
+  std::string metrics_auth;                  // file of user:password lines; set: /metrics needs basic auth
 
   // Throws std::invalid_argument naming the setting when a value is out of range.
   void validate() const;

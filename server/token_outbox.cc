@@ -5,6 +5,16 @@
 
 namespace m3 {
 
+const char* finish_reason_name(FinishReason reason) {
+  switch (reason) {
+    case FinishReason::kLength: return "length";
+    case FinishReason::kStop: return "stop";
+    case FinishReason::kCancelled: return "cancelled";
+    case FinishReason::kEndOfReply: return "end_of_reply";
+  }
+  return "unknown";
+}
+
 const char* stream_status_name(StreamStatus s) {
   switch (s) {
     case StreamStatus::kOk: return "ok";
@@ -14,6 +24,7 @@ const char* stream_status_name(StreamStatus s) {
     case StreamStatus::kDeadlineExceeded: return "deadline_exceeded";
     case StreamStatus::kInternal: return "internal";
     case StreamStatus::kUnavailable: return "unavailable";
+    case StreamStatus::kUnauthenticated: return "unauthenticated";
   }
   return "unknown";
 }

@@ -22,6 +22,7 @@
 namespace m3 {
 
 enum class FinishReason { kLength, kStop, kCancelled, kEndOfReply };
+const char* finish_reason_name(FinishReason reason);  // "length", "stop", "cancelled", "end_of_reply"
 
 // Final status of a stream (the gRPC code it maps to).
 enum class StreamStatus {
@@ -32,6 +33,7 @@ enum class StreamStatus {
   kDeadlineExceeded,
   kInternal,
   kUnavailable,
+  kUnauthenticated,  // no valid API key (refused before anything else)
 };
 const char* stream_status_name(StreamStatus);  // "ok", "invalid_argument", ... (metric labels)
 // The UNAVAILABLE message of every request a shutdown refuses or ends.

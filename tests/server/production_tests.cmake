@@ -1,0 +1,15 @@
+# Tests of what running m3serve in production needs (issue 27): API keys, TLS, the drain,
+# status consistency, a soak, and the deploy/ manifests. Included from
+# tests/server/CMakeLists.txt. TLS certificates are made at test time with the openssl
+# command; the independent client is Debian's python3-grpcio (scripts/setup.sh).
+
+add_executable(m3_api_keys_test api_keys_test.cc)
+target_link_libraries(m3_api_keys_test PRIVATE m3_server GTest::gtest_main)
+gtest_discover_tests(m3_api_keys_test)
+
+add_executable(m3_tls_test tls_test.cc)
+target_link_libraries(m3_tls_test PRIVATE m3_server GTest::gtest_main)
+add_dependencies(m3_tls_test m3cli)
+target_compile_definitions(m3_tls_test PRIVATE M3_TEST_M3CLI="$<TARGET_FILE:m3cli>"
+  M3_TEST_PYTHON_CLIENT="${CMAKE_CURRENT_SOURCE_DIR}/grpc_python_client.py")
+gtest_discover_tests(m3_tls_test PROPERTIES TIMEOUT 120)
