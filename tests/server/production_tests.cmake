@@ -13,3 +13,9 @@ add_dependencies(m3_tls_test m3cli)
 target_compile_definitions(m3_tls_test PRIVATE M3_TEST_M3CLI="$<TARGET_FILE:m3cli>"
   M3_TEST_PYTHON_CLIENT="${CMAKE_CURRENT_SOURCE_DIR}/grpc_python_client.py")
 gtest_discover_tests(m3_tls_test PROPERTIES TIMEOUT 120)
+
+add_executable(m3_drain_test drain_test.cc)
+target_link_libraries(m3_drain_test PRIVATE m3_server GTest::gtest_main)
+add_dependencies(m3_drain_test m3serve)
+target_compile_definitions(m3_drain_test PRIVATE M3_TEST_M3SERVE="$<TARGET_FILE:m3serve>")
+gtest_discover_tests(m3_drain_test PROPERTIES TIMEOUT 120)

@@ -4,6 +4,8 @@
 // Prometheus counters.
 #pragma once
 
+#include <grpcpp/generic/generic_stub.h>
+#include <grpcpp/grpcpp.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -13,6 +15,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <future>
 #include <iterator>
 #include <sstream>
 #include <stdexcept>
@@ -114,6 +117,30 @@ inline bool eventually_true(const std::function<bool()>& done,
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
   return done();
+}
+
+// grpc.health.v1.Health/Check of `service` ("" = the server): "SERVING", "NOT_SERVING",
+// or the call's failure ("error 14 ...").
+inline std::string health_status(const std::shared_ptr<grpc::Channel>& channel, const std::string& service = "") {
+  grpc::GenericStub stub(channel);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  std::string request_bytes;
+  if (!service.empty()) request_bytes = "\x0a" + std::string(1, static_cast<char>(service.size())) + service;
+  grpc::Slice slice(request_bytes);
+  grpc::ByteBuffer request(&slice, 1), response;
+  std::promise<grpc::Status> done;
+  stub.UnaryCall(&ctx, "/grpc.health.v1.Health/Check", grpc::StubOptions(), &request, &response,
+                 [&done](grpc::Status status) { done.set_value(std::move(status)); });
+  const grpc::Status status = done.get_future().get();
+  if (!status.ok()) return "error " + std::to_string(status.error_code()) + " " + status.error_message();
+  std::vector<grpc::Slice> slices;
+  std::string bytes;
+  if (response.Dump(&slices).ok())
+    for (const auto& s : slices) bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
+  if (bytes == std::string("\x08\x01", 2)) return "SERVING";
+  if (bytes == std::string("\x08\x02", 2)) return "NOT_SERVING";
+  return "status bytes " + std::to_string(bytes.size());
 }
 
 }  // namespace m3::test
