@@ -1,6 +1,7 @@
 #include "server/server_app.h"
 
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/generic/async_generic_service.h>
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
 #include <grpcpp/impl/server_builder_option.h>
@@ -45,6 +46,22 @@ class WithoutReflection final : public grpc::ServerBuilderOption {
     plugins->erase(std::remove_if(plugins->begin(), plugins->end(),
                                   [](const auto& p) { return p->name() == "proto_server_reflection"; }),
                    plugins->end());
+  }
+};
+
+// The health_listen server's every other method: refused (it serves grpc.health.v1 alone).
+// (A server with no service of its own does not start; this one is it.)
+class NothingButHealth final : public grpc::CallbackGenericService {
+ public:
+  grpc::ServerGenericBidiReactor* CreateReactor(grpc::GenericCallbackServerContext* call) override {
+    class Refusal final : public grpc::ServerGenericBidiReactor {
+     public:
+      explicit Refusal(const std::string& method) {
+        Finish({grpc::StatusCode::UNIMPLEMENTED, method + ": this port (health_listen) serves only grpc.health.v1"});
+      }
+      void OnDone() override { delete this; }
+    };
+    return new Refusal(call->method());
   }
 };
 
@@ -184,6 +201,19 @@ ServerApp::ServerApp(const ServerConfig& config, std::shared_ptr<spdlog::logger>
   const int64_t per_token = std::max<int64_t>(5, kMaxTextBytesPerToken);
   const int64_t max_message = std::max<int64_t>(4 << 20, per_token * config_.max_prompt_tokens + (64 << 10));
   builder.SetMaxReceiveMessageSize(static_cast<int>(std::min<int64_t>(max_message, INT32_MAX)));
+  // The health-only plaintext port first: when it cannot listen, nothing has started.
+  if (!config_.health_listen.empty()) {
+    grpc::ServerBuilder health_builder;
+    health_builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+    health_builder.SetOption(std::make_unique<WithoutReflection>());
+    health_only_service_ = std::make_unique<NothingButHealth>();
+    health_builder.RegisterCallbackGenericService(health_only_service_.get());
+    health_builder.AddListeningPort(config_.health_listen, grpc::InsecureServerCredentials(), &health_port_);
+    health_server_ = health_builder.BuildAndStart();
+    if (!health_server_ || health_port_ == 0)
+      throw std::runtime_error("cannot listen for health checks on " + config_.health_listen +
+                               " (health_listen: address in use, or not an address of this machine?)");
+  }
   if (api_keys_) builder.SetOption(std::make_unique<WithoutReflection>());
   builder.AddListeningPort(config_.listen, tls_ ? tls_->credentials() : grpc::InsecureServerCredentials(), &port_);
   builder.RegisterService(service_.get());
@@ -192,9 +222,13 @@ ServerApp::ServerApp(const ServerConfig& config, std::shared_ptr<spdlog::logger>
     throw std::runtime_error("cannot listen for gRPC on " + config_.listen +
                              " (address in use, or not an address of this machine?)");
   // By service name too: probes that name it (grpc_health_probe -service, Kubernetes)
-  // got NOT_FOUND. SetServingStatus(bool) below and in shutdown covers every name set.
-  server_->GetHealthCheckService()->SetServingStatus(v1::M3Serve::service_full_name(), true);
-  server_->GetHealthCheckService()->SetServingStatus(true);
+  // got NOT_FOUND. SetServingStatus(bool) in set_serving covers every name set.
+  for (grpc::Server* s : {server_.get(), health_server_.get()})
+    if (s) s->GetHealthCheckService()->SetServingStatus(v1::M3Serve::service_full_name(), true);
+  set_serving(true);
+  if (health_server_)
+    logger_->info("health checks (grpc.health.v1 only, plaintext) on {}:{}",
+                  config_.health_listen.substr(0, config_.health_listen.rfind(':')), health_port_);
   logger_->info("serving m3serve.v1.M3Serve on {} ({}; {}) (metrics: {}{})", address(),
                 !tls_ ? "plaintext, no TLS" : tls_->mutual() ? "mutual TLS" : "TLS",
                 api_keys_ ? fmt::format("{} API keys", api_keys_->size()) : std::string("no API key needed"),
@@ -239,7 +273,7 @@ void ServerApp::begin_drain() {
     std::lock_guard lock(health_mu_);
     if (draining_ || health_final_) return;
     draining_ = true;
-    server_->GetHealthCheckService()->SetServingStatus(false);
+    set_serving(false);
   }
   logger_->info("draining: health reports NOT_SERVING for {:g}s (drain_delay_s) while requests are still served",
                 config_.drain_delay_s);
@@ -268,9 +302,14 @@ bool ServerApp::reload() {
   return ok;
 }
 
+void ServerApp::set_serving(bool serving) {
+  server_->GetHealthCheckService()->SetServingStatus(serving);
+  if (health_server_) health_server_->GetHealthCheckService()->SetServingStatus(serving);
+}
+
 void ServerApp::report_not_serving() {
   std::lock_guard lock(health_mu_);
-  if (server_ && !health_final_) server_->GetHealthCheckService()->SetServingStatus(false);
+  if (server_ && !health_final_) set_serving(false);
 }
 
 size_t ServerApp::sessions_not_started() const { return context_->unstarted_sessions.size(); }
@@ -284,7 +323,7 @@ void ServerApp::shutdown(std::chrono::duration<double> grace) {
   stopped_ = true;
   {
     std::lock_guard lock(health_mu_);
-    server_->GetHealthCheckService()->SetServingStatus(false);
+    set_serving(false);
     health_final_ = true;
   }
   scheduler_->stop_accepting();
@@ -311,6 +350,10 @@ void ServerApp::shutdown(std::chrono::duration<double> grace) {
   scheduler_->cancel_all();
   stop_listening.join();
   server_->Wait();
+  if (health_server_) {  // (last: probes saw NOT_SERVING until the end)
+    health_server_->Shutdown(std::chrono::system_clock::now());
+    health_server_->Wait();
+  }
   if (stream_sweeper_.joinable()) {  // (it cut stalled streams while gRPC waited for them)
     {
       std::lock_guard lock(sweep_mu_);

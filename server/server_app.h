@@ -14,6 +14,7 @@
 #include "server/server_config.h"
 
 namespace grpc {
+class CallbackGenericService;
 class Server;
 }
 namespace spdlog {
@@ -44,6 +45,7 @@ class ServerApp {
   ~ServerApp();  // shutdown(0) when still serving
 
   int port() const { return port_; }  // the bound gRPC port
+  int health_port() const { return health_port_; }  // health_listen's bound port; 0: none
   std::string address() const;        // "host:port" as bound
   ServerMetrics& metrics() { return *metrics_; }
   const Engine& engine() const { return *engine_; }
@@ -67,6 +69,8 @@ class ServerApp {
   // Health NOT_SERVING for every name (the engine can run no more steps); on the engine
   // thread, so under health_mu_ against shutdown, after which server_ is not touched.
   void report_not_serving();
+  // Every name's status on both servers (under health_mu_, or before serving starts).
+  void set_serving(bool serving);
   // Its own thread, a few times a second at most: ends Converse streams that sent nothing
   // for session_idle_timeout_s (as the scheduler ends idle sessions; those streams are not
   // the scheduler's) and cancels the calls of stalled streams (StalledStreams).
@@ -92,6 +96,11 @@ class ServerApp {
   std::unique_ptr<M3ServeService> service_;
   std::unique_ptr<grpc::Server> server_;
   int port_ = 0;
+  // health_listen: a second, plaintext server with only the health service (for probes
+  // that cannot speak TLS, such as the kubelet's); null: none.
+  std::unique_ptr<grpc::CallbackGenericService> health_only_service_;
+  std::unique_ptr<grpc::Server> health_server_;
+  int health_port_ = 0;
   bool stopped_ = false;
   std::mutex health_mu_;
   bool health_final_ = false;  // shutdown set NOT_SERVING; nothing touches server_ after it

@@ -70,6 +70,9 @@ const std::vector<Setting>& settings() {
       {"drain_delay_s", &ServerConfig::drain_delay_s,
        "seconds the health service reports NOT_SERVING on SIGTERM while requests are still served, "
        "before the server stops accepting (so load balancers see it first)"},
+      {"health_listen", &ServerConfig::health_listen,
+       "host:port of a second, plaintext gRPC port serving only grpc.health.v1 (probes that cannot speak TLS, "
+       "such as the kubelet's); \"\" for none"},
       {"tls_cert", &ServerConfig::tls_cert, "PEM certificate chain: serve gRPC over TLS (needs tls_key; re-read on SIGHUP)"},
       {"tls_key", &ServerConfig::tls_key, "PEM private key of tls_cert"},
       {"tls_client_ca", &ServerConfig::tls_client_ca,
@@ -272,6 +275,7 @@ void ServerConfig::validate() const {
   if (!std::isfinite(stalled_stream_timeout_s) || stalled_stream_timeout_s < 0.1 || stalled_stream_timeout_s > 3600)
     throw std::invalid_argument("stalled_stream_timeout_s must be between 0.1 and 3600 seconds, got " +
                                 std::to_string(stalled_stream_timeout_s));
+  if (!health_listen.empty()) check_address("health_listen", health_listen);
   if (!std::isfinite(drain_delay_s) || drain_delay_s < 0 || drain_delay_s > 3600)
     throw std::invalid_argument("drain_delay_s must be between 0 and 3600 seconds, got " +
                                 std::to_string(drain_delay_s));

@@ -37,6 +37,7 @@ struct ServerConfig {
   CudaPolicy cuda;
   // Production: drain, TLS, API keys, /metrics access (issue 27).
   double drain_delay_s = 5.0;                // SIGTERM: NOT_SERVING this long, still serving, then shutdown
+  std::string health_listen;                 // plaintext port with only grpc.health.v1; "" = none
   std::string tls_cert;                      // PEM certificate chain; with tls_key: gRPC over TLS
   std::string tls_key;                       // PEM private key of tls_cert
   std::string tls_client_ca;                 // PEM CA bundle; set: clients need a certificate it signed

@@ -59,6 +59,32 @@ TEST(DrainTest, HealthIsNotServingDuringTheDelayWhileCallsAreServedThenTheShutdo
   EXPECT_EQ(whole, 2u);
 }
 
+// health_listen: the kubelet's gRPC probes speak no TLS, so a TLS server offers health
+// alone on a plaintext port, with the same statuses through the drain.
+TEST(DrainTest, ThePlaintextHealthPortFollowsTheDrainOfATlsServer) {
+  TestPki pki;
+  pki.make_ca("ca");
+  pki.make_leaf("server", "ca");
+  ServerConfig config = test_config();
+  config.tls_cert = pki.cert("server");
+  config.tls_key = pki.key("server");
+  config.health_listen = "127.0.0.1:0";
+  TestServer server(config);
+  ASSERT_GT(server.app->health_port(), 0);
+  auto probe = grpc::CreateChannel("127.0.0.1:" + std::to_string(server.app->health_port()),
+                                   grpc::InsecureChannelCredentials());
+  EXPECT_EQ(health_status(probe), "SERVING");
+  EXPECT_EQ(health_status(probe, "m3serve.v1.M3Serve"), "SERVING");
+  // Nothing else is served there.
+  EXPECT_EQ(generate(*v1::M3Serve::NewStub(probe), generate_request(kPrompt, 3)).status.error_code(),
+            grpc::StatusCode::UNIMPLEMENTED);
+  server.app->begin_drain();
+  EXPECT_EQ(health_status(probe), "NOT_SERVING");
+  EXPECT_EQ(health_status(probe, "m3serve.v1.M3Serve"), "NOT_SERVING");
+  server.app->shutdown(0s);
+  EXPECT_EQ(health_status(probe).substr(0, 9), "error 14 ") << "the health port outlived the server";
+}
+
 // The real executable and its signals.
 struct Child {
   TempDir dir{"m3-drain"};
