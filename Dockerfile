@@ -94,4 +94,5 @@ WORKDIR /var/lib/m3serve
 EXPOSE 50051 9464
 HEALTHCHECK --interval=15s --timeout=5s --start-period=120s --retries=3 \
     CMD ["m3cli", "--server", "127.0.0.1:50051", "--connect-timeout", "3", "--timeout", "3", "health"]
-ENTRYPOINT ["m3serve", "--config", "/etc/m3serve/server.yaml"]
+# configs/server.yaml listens on loopback; a container serves its network.
+ENTRYPOINT ["m3serve", "--config", "/etc/m3serve/server.yaml", "--listen", "0.0.0.0:50051", "--metrics-listen", "0.0.0.0:9464"]

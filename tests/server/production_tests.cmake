@@ -23,3 +23,18 @@ gtest_discover_tests(m3_drain_test PROPERTIES TIMEOUT 120)
 add_executable(m3_status_consistency_test status_consistency_test.cc)
 target_link_libraries(m3_status_consistency_test PRIVATE m3_server GTest::gtest_main)
 gtest_discover_tests(m3_status_consistency_test PROPERTIES TIMEOUT 120)
+
+add_executable(m3_deploy_manifests_test deploy_manifests_test.cc)
+target_link_libraries(m3_deploy_manifests_test PRIVATE m3_server GTest::gtest_main)
+target_compile_definitions(m3_deploy_manifests_test PRIVATE M3_TEST_SOURCE_DIR="${PROJECT_SOURCE_DIR}")
+gtest_discover_tests(m3_deploy_manifests_test)
+# Kubernetes' own schemas (PyPI's kubernetes-validate; not a Debian package, so optional:
+# `pip install kubernetes-validate` puts it on PATH).
+find_program(M3_KUBERNETES_VALIDATE kubernetes-validate)
+if(M3_KUBERNETES_VALIDATE)
+  add_test(NAME m3_deploy_k8s_schemas
+           COMMAND ${M3_KUBERNETES_VALIDATE} --strict ${PROJECT_SOURCE_DIR}/deploy/k8s/deployment.yaml
+                   ${PROJECT_SOURCE_DIR}/deploy/k8s/service.yaml)
+else()
+  message(STATUS "kubernetes-validate not found: deploy/k8s is checked by m3_deploy_manifests_test only")
+endif()
