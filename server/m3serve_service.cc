@@ -88,7 +88,9 @@ void record_call_done(ServiceContext& ctx, const grpc::CallbackServerContext& ca
     if (finished_with != StreamStatus::kOk)
       end.message += std::string(" (the stream had ended with ") + stream_status_name(finished_with) + ": " +
                      message + ")";
-  } else if (finished_with == StreamStatus::kOk && call.IsCancelled()) {
+  } else if (call.IsCancelled()) {
+    // Cancelled (by the client, its deadline or a broken connection) before the status it
+    // was finished with, if any, reached the client: what the client got is the cancellation.
     end = call_end_reason(call);
   }
   RequestRecord record;

@@ -38,3 +38,10 @@ if(M3_KUBERNETES_VALIDATE)
 else()
   message(STATUS "kubernetes-validate not found: deploy/k8s is checked by m3_deploy_manifests_test only")
 endif()
+
+# About 45 s of mixed clients against an m3serve child (label soak: ctest -L soak).
+add_executable(m3_soak_test soak_test.cc)
+target_link_libraries(m3_soak_test PRIVATE m3_server GTest::gtest_main)
+add_dependencies(m3_soak_test m3serve)
+target_compile_definitions(m3_soak_test PRIVATE M3_TEST_M3SERVE="$<TARGET_FILE:m3serve>")
+gtest_discover_tests(m3_soak_test PROPERTIES TIMEOUT 180 LABELS soak)
