@@ -3,6 +3,10 @@
 # tests/server/CMakeLists.txt. TLS certificates are made at test time with the openssl
 # command; the independent client is Debian's python3-grpcio (scripts/setup.sh).
 
+add_executable(m3_production_config_test production_config_test.cc)
+target_link_libraries(m3_production_config_test PRIVATE m3_server GTest::gtest_main)
+gtest_discover_tests(m3_production_config_test)
+
 add_executable(m3_api_keys_test api_keys_test.cc)
 target_link_libraries(m3_api_keys_test PRIVATE m3_server GTest::gtest_main)
 gtest_discover_tests(m3_api_keys_test)
