@@ -25,7 +25,7 @@ target_compile_definitions(m3_drain_test PRIVATE M3_TEST_M3SERVE="$<TARGET_FILE:
 gtest_discover_tests(m3_drain_test PROPERTIES TIMEOUT 120)
 
 add_executable(m3_status_consistency_test status_consistency_test.cc)
-target_link_libraries(m3_status_consistency_test PRIVATE m3_server GTest::gtest_main)
+target_link_libraries(m3_status_consistency_test PRIVATE m3_server_test_support GTest::gtest_main)
 gtest_discover_tests(m3_status_consistency_test PROPERTIES TIMEOUT 120)
 
 add_executable(m3_deploy_manifests_test deploy_manifests_test.cc)

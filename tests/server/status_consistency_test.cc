@@ -75,14 +75,6 @@ void expect_recorded_as(TestServer& server, const Tally& before, grpc::StatusCod
   }
 }
 
-std::unique_ptr<v1::M3Serve::Stub> small_window_stub(TestServer& server) {
-  grpc::ChannelArguments args;
-  args.SetInt(GRPC_ARG_HTTP2_BDP_PROBE, 0);
-  args.SetInt("grpc.http2.lookahead_bytes", 1024);
-  return v1::M3Serve::NewStub(
-      grpc::CreateCustomChannel(server.app->address(), grpc::InsecureChannelCredentials(), args));
-}
-
 TEST(StatusConsistencyTest, TheClientTheLogAndTheCounterAgreeOnEveryEnd) {
   ServerConfig config = one_slot_config();
   config.max_new_tokens_limit = 10'000'000;
