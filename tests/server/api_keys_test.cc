@@ -6,6 +6,10 @@
 
 #include <grpcpp/generic/generic_stub.h>
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+
 #include <future>
 #include <optional>
 
@@ -240,6 +244,74 @@ TEST(ApiKeyServerTest, ReloadAppliesANewKeyFileAndKeepsTheKeysWhenItIsBad) {
     return l.find("SIGHUP: API keys not reloaded, the old ones stay in force: api_keys: '") != std::string::npos &&
            l.find("holds no key") != std::string::npos;
   }));
+}
+
+// m3cli and m3bench send the first key of --api-key-file with every call.
+TEST(ApiKeyServerTest, M3cliAndM3benchSendTheirKeyFile) {
+  KeyedServer keyed("# ops\nclient-key-789\n");
+  TestServer& server = *keyed.server;
+  write_text(keyed.dir / "client.key", "# mine\n\nclient-key-789\n");
+  write_text(keyed.dir / "wrong.key", "not-the-key\n");
+  const std::string at = " --server " + server.app->address() + " ";
+  const CommandRun with = run_command(std::string(M3_TEST_M3CLI) + at + "--api-key-file " + (keyed.dir / "client.key") +
+                                      " generate --ids 1,2,3 --max-new-tokens 4");
+  EXPECT_EQ(with.status, 0) << with.out;
+  EXPECT_NE(with.out.find("finished: length"), std::string::npos) << with.out;
+  const CommandRun wrong = run_command(std::string(M3_TEST_M3CLI) + at + "--api-key-file " + (keyed.dir / "wrong.key") + " info");
+  EXPECT_NE(wrong.status, 0) << wrong.out;
+  EXPECT_NE(wrong.out.find("UNAUTHENTICATED: invalid API key"), std::string::npos) << wrong.out;
+  const CommandRun none = run_command(std::string(M3_TEST_M3CLI) + at + "info");
+  EXPECT_NE(none.out.find("UNAUTHENTICATED: missing API key"), std::string::npos) << none.out;
+  const CommandRun bench = run_command(std::string(M3_TEST_M3BENCH) + " serve" + at + "--api-key-file " +
+                                       (keyed.dir / "client.key") + " --requests 4 --concurrency 2 --max-new-tokens 4");
+  EXPECT_EQ(bench.status, 0) << bench.out;
+  EXPECT_EQ(keyed.requests("ok"), 5) << bench.out;  // m3cli's Generate and m3bench's 4
+  const CommandRun missing = run_command(std::string(M3_TEST_M3CLI) + at + "--api-key-file " + (keyed.dir / "absent") + " info");
+  EXPECT_EQ(missing.status, 2) << missing.out;
+  EXPECT_NE(missing.out.find("--api-key-file: cannot read '" + (keyed.dir / "absent") + "'"), std::string::npos) << missing.out;
+}
+
+// ---- /metrics with basic auth (metrics_auth) ------------------------------------------------
+
+// The status line and body of GET /metrics, with an Authorization header when given.
+std::string get_metrics(int port, const std::string& authorization = "") {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_port = htons(static_cast<uint16_t>(port));
+  inet_pton(AF_INET, "127.0.0.1", &address.sin_addr);
+  std::string response;
+  if (connect(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) == 0) {
+    std::string request = "GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n";
+    if (!authorization.empty()) request += "Authorization: " + authorization + "\r\n";
+    request += "\r\n";
+    if (write(fd, request.data(), request.size()) == static_cast<ssize_t>(request.size())) {
+      char buffer[4096];
+      for (ssize_t n; (n = read(fd, buffer, sizeof(buffer))) > 0;) response.append(buffer, n);
+    }
+  }
+  close(fd);
+  return response;
+}
+
+TEST(MetricsAuthTest, MetricsNeedBasicAuthWithAConfiguredUserAndReloadChangesThem) {
+  TempDir dir("m3-metrics-auth");
+  write_text(dir / "users", "prom:secret\n");
+  ServerConfig config = test_config();
+  config.metrics_listen = "127.0.0.1:0";
+  config.metrics_auth = dir / "users";
+  TestServer server(config);
+  const int port = server.app->metrics().exposer_port();
+  ASSERT_GT(port, 0);
+  EXPECT_EQ(get_metrics(port).substr(0, 12), "HTTP/1.1 401");
+  EXPECT_EQ(get_metrics(port, "Basic cHJvbTp3cm9uZw==").substr(0, 12), "HTTP/1.1 401");  // prom:wrong
+  const std::string ok = get_metrics(port, "Basic cHJvbTpzZWNyZXQ=");                    // prom:secret
+  EXPECT_EQ(ok.substr(0, 12), "HTTP/1.1 200") << ok.substr(0, 200);
+  EXPECT_NE(ok.find("m3serve_requests_total"), std::string::npos);
+  write_text(dir / "users", "prom:rotated\n");
+  EXPECT_TRUE(server.app->reload());
+  EXPECT_EQ(get_metrics(port, "Basic cHJvbTpzZWNyZXQ=").substr(0, 12), "HTTP/1.1 401");
+  EXPECT_EQ(get_metrics(port, "Basic cHJvbTpyb3RhdGVk").substr(0, 12), "HTTP/1.1 200");  // prom:rotated
 }
 
 }  // namespace

@@ -9,6 +9,9 @@ gtest_discover_tests(m3_production_config_test)
 
 add_executable(m3_api_keys_test api_keys_test.cc)
 target_link_libraries(m3_api_keys_test PRIVATE m3_server GTest::gtest_main)
+add_dependencies(m3_api_keys_test m3cli m3bench)
+target_compile_definitions(m3_api_keys_test PRIVATE M3_TEST_M3CLI="$<TARGET_FILE:m3cli>"
+  M3_TEST_M3BENCH="$<TARGET_FILE:m3bench>")
 gtest_discover_tests(m3_api_keys_test)
 
 add_executable(m3_tls_test tls_test.cc)
