@@ -57,16 +57,13 @@ std::unique_ptr<X509, decltype(&X509_free)> first_certificate(const std::string&
   return {cert, &X509_free};
 }
 
-// Writes `bytes` to dir/name so that a reader sees the old file or the new one, never a part.
-void replace_file(const std::filesystem::path& dir, const char* name, const std::string& bytes) {
-  const std::filesystem::path tmp = dir / (std::string(name) + ".new");
+void write_private(const std::filesystem::path& path, const std::string& bytes) {
   {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+    std::ofstream out(path, std::ios::binary | std::ios::trunc);
     out << bytes;
-    if (!out) throw std::runtime_error("tls: cannot write " + tmp.string());
+    if (!out) throw std::runtime_error("tls: cannot write " + path.string());
   }
-  std::filesystem::permissions(tmp, std::filesystem::perms::owner_read | std::filesystem::perms::owner_write);
-  std::filesystem::rename(tmp, dir / name);
+  std::filesystem::permissions(path, std::filesystem::perms::owner_read | std::filesystem::perms::owner_write);
 }
 
 }  // namespace
@@ -121,9 +118,21 @@ void TlsFiles::copy_in() {
   const std::string cert = read_bytes("tls_cert", cert_);
   const std::string key = read_bytes("tls_key", key_);
   const std::string ca = client_ca_.empty() ? "" : read_bytes("tls_client_ca", client_ca_);
-  replace_file(dir_, kKeyCopy, key);
-  replace_file(dir_, kCertCopy, cert);
-  if (!client_ca_.empty()) replace_file(dir_, kClientCaCopy, ca);
+  // A new generation of the files, then the link "current" swapped to it at once (as the
+  // kubelet updates a Secret's volume): gRPC's watcher reads the files through the link and
+  // reads again when they change while it reads, so it never pairs one generation's key
+  // with another's certificate. The generation before stays for a reader still in it.
+  ++generation_;
+  const std::filesystem::path fresh = dir_ / ("gen-" + std::to_string(generation_));
+  std::filesystem::create_directory(fresh);
+  write_private(fresh / kKeyCopy, key);
+  write_private(fresh / kCertCopy, cert);
+  if (!client_ca_.empty()) write_private(fresh / kClientCaCopy, ca);
+  std::filesystem::remove(dir_ / "current.new");
+  std::filesystem::create_directory_symlink(fresh.filename(), dir_ / "current.new");
+  std::filesystem::rename(dir_ / "current.new", dir_ / "current");
+  std::error_code ec;
+  if (generation_ > 2) std::filesystem::remove_all(dir_ / ("gen-" + std::to_string(generation_ - 2)), ec);
 }
 
 void TlsFiles::reload() { copy_in(); }
@@ -132,10 +141,11 @@ std::shared_ptr<grpc::ServerCredentials> TlsFiles::credentials() const {
   std::shared_ptr<grpc::experimental::CertificateProviderInterface> provider;
   if (client_ca_.empty()) {
     provider = std::make_shared<grpc::experimental::FileWatcherCertificateProvider>(
-        (dir_ / kKeyCopy).string(), (dir_ / kCertCopy).string(), kWatchSeconds);
+        (dir_ / "current" / kKeyCopy).string(), (dir_ / "current" / kCertCopy).string(), kWatchSeconds);
   } else {
     provider = std::make_shared<grpc::experimental::FileWatcherCertificateProvider>(
-        (dir_ / kKeyCopy).string(), (dir_ / kCertCopy).string(), (dir_ / kClientCaCopy).string(), kWatchSeconds);
+        (dir_ / "current" / kKeyCopy).string(), (dir_ / "current" / kCertCopy).string(),
+        (dir_ / "current" / kClientCaCopy).string(), kWatchSeconds);
   }
   grpc::experimental::TlsServerCredentialsOptions options(provider);
   options.watch_identity_key_cert_pairs();

@@ -42,10 +42,11 @@ class TlsFiles {
   static void check_certificates(const std::string& setting, const std::string& path);
 
  private:
-  void copy_in();  // check all, then write the copies (each replaced atomically)
+  void copy_in();  // check all, then write a new generation of copies and switch to it
 
   std::string cert_, key_, client_ca_;
   std::filesystem::path dir_;  // private (0700) directory of the copies gRPC watches
+  int generation_ = 0;         // dir_/gen-N holds the copies; dir_/current links to the newest
 };
 
 }  // namespace m3

@@ -6,6 +6,8 @@
 // serves new certificates to new connections without dropping a stream in flight.
 #include <gtest/gtest.h>
 
+#include <set>
+
 #include "server/tls_files.h"
 #include "tests/error_of.h"
 #include "tests/server/security_test_support.h"
@@ -169,6 +171,35 @@ TEST(TlsServerTest, FilesThatCannotServeAreRefusedAtStartNamingThem) {
   config.tls_key = "";
   EXPECT_EQ(m3::test::error_of<std::invalid_argument>([&] { config.validate(); }),
             "tls_cert is set but tls_key is not: TLS needs both");
+}
+
+// The copies gRPC serves hold the private key: only the server's user may read them, and
+// they are gone when the server is.
+TEST(TlsServerTest, ThePrivateCopiesAreTheOwnersAloneAndRemovedAtTheEnd) {
+  TestPki pki;
+  pki.make_ca("ca");
+  pki.make_leaf("server", "ca");
+  const auto private_dirs = [] {
+    std::set<std::string> dirs;
+    for (const auto& e : std::filesystem::directory_iterator(std::filesystem::temp_directory_path()))
+      if (e.path().filename().string().rfind("m3serve-tls-", 0) == 0) dirs.insert(e.path().string());
+    return dirs;
+  };
+  const auto before = private_dirs();
+  std::string dir;
+  {
+    TlsFiles files(pki.cert("server"), pki.key("server"), "");
+    files.reload();
+    for (const auto& d : private_dirs())
+      if (!before.count(d)) dir = d;
+    ASSERT_FALSE(dir.empty());
+    namespace fs = std::filesystem;
+    EXPECT_EQ(fs::status(dir).permissions() & fs::perms::all, fs::perms::owner_all);
+    const fs::path key = fs::path(dir) / "current" / "key.pem";
+    EXPECT_EQ(read_text(key.string()), read_text(pki.key("server")));
+    EXPECT_EQ(fs::status(key).permissions() & fs::perms::all, fs::perms::owner_read | fs::perms::owner_write);
+  }
+  EXPECT_FALSE(std::filesystem::exists(dir)) << "the key's copy outlived the server";
 }
 
 TEST(TlsServerTest, ReloadServesNewCertificatesWithoutDroppingAStream) {
