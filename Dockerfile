@@ -5,12 +5,13 @@
 # local CUDA 13 toolkit) and serves the demo model from the runtime stage as its user.
 #
 #   docker build -t m3serve .
-#   docker run --gpus all --stop-timeout 20 -p 50051:50051 -p 9464:9464 m3serve   # demo model
-#   docker run --gpus all --stop-timeout 20 -v /models:/models:ro -p 50051:50051 -p 9464:9464 \
+#   docker run --gpus all --stop-timeout 25 -p 50051:50051 -p 9464:9464 m3serve   # demo model
+#   docker run --gpus all --stop-timeout 25 -v /models:/models:ro -p 50051:50051 -p 9464:9464 \
 #       m3serve --model /models/s2s-14l --tokenizer /models/s2s-14l/tokenizer.model
 #
-# --stop-timeout: on `docker stop` m3serve gives running replies shutdown_grace_s (10 s in
-# server.yaml) to finish; Docker's default of 10 s would SIGKILL it first.
+# --stop-timeout: on `docker stop` m3serve reports NOT_SERVING for drain_delay_s (5 s) while
+# still serving, then gives running replies shutdown_grace_s (10 s) to finish (server.yaml);
+# Docker's default of 10 s would SIGKILL it first.
 #
 # Base: Debian 12 plus NVIDIA's CUDA 13.0 apt repository for Debian 12, not
 # nvidia/cuda:13.0.x-devel-ubuntu24.04. The server's libraries come from the distribution
@@ -94,4 +95,5 @@ WORKDIR /var/lib/m3serve
 EXPOSE 50051 9464
 HEALTHCHECK --interval=15s --timeout=5s --start-period=120s --retries=3 \
     CMD ["m3cli", "--server", "127.0.0.1:50051", "--connect-timeout", "3", "--timeout", "3", "health"]
-ENTRYPOINT ["m3serve", "--config", "/etc/m3serve/server.yaml"]
+# configs/server.yaml listens on loopback; a container serves its network.
+ENTRYPOINT ["m3serve", "--config", "/etc/m3serve/server.yaml", "--listen", "0.0.0.0:50051", "--metrics-listen", "0.0.0.0:9464"]

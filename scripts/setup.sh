@@ -12,7 +12,7 @@ M3_PACKAGES=(
   libsentencepiece-dev sentencepiece
   libspdlog-dev prometheus-cpp-dev libyaml-cpp-dev nlohmann-json3-dev
   libgtest-dev libgmock-dev
-  python3-grpcio python3-protobuf openssl
+  python3-grpcio python3-protobuf openssl libssl-dev
   libxxhash-dev libhiredis-dev redis-server
 )
 

@@ -10,6 +10,10 @@ namespace m3 {
 ConverseReactor::ConverseReactor(ServiceContext& ctx, grpc::CallbackServerContext* call)
     : ctx_(ctx), call_(call), start_(Clock::now()), writer_(ctx) {
   session_id_ = ctx.make_request_id("conv-");
+  if (std::string why = unauthenticated_reason(ctx_, *call_, "Converse"); !why.empty()) {
+    complete(StreamStatus::kUnauthenticated, why);
+    return;
+  }
   switch (ctx.unstarted_sessions.add(this)) {
     case UnstartedSessions::Added::kYes:
       break;
@@ -38,8 +42,8 @@ void ConverseReactor::OnReadDone(bool ok) {
     return;
   }
   ++messages_read_;
-  if (!parse_message(&request_bytes_, &request_)) {
-    fail("message " + std::to_string(messages_read_) + " " + kUnparsableMessage);
+  if (std::string why = parse_message(&request_bytes_, &request_); !why.empty()) {
+    fail("message " + std::to_string(messages_read_) + " " + why);
     return;
   }
   if (handle(request_) == Handled::kContinue) StartRead(&request_bytes_);

@@ -11,13 +11,18 @@ namespace m3 {
 GenerateReactor::GenerateReactor(ServiceContext& ctx, grpc::CallbackServerContext* call,
                                  const grpc::ByteBuffer* request_bytes)
     : ctx_(ctx), call_(call), start_(Clock::now()), writer_(ctx) {
+  if (std::string why = unauthenticated_reason(ctx_, *call_, "Generate"); !why.empty()) {
+    request_id_ = ctx_.make_request_id("gen-");
+    complete(StreamStatus::kUnauthenticated, why);
+    return;
+  }
   v1::GenerateRequest request;
   std::string refusal;
   if (!request_bytes->Valid()) {
     refusal = "the call carried no GenerateRequest message";
   } else {
     grpc::ByteBuffer bytes(*request_bytes);  // (shares the slices; parsing empties it)
-    if (!parse_message(&bytes, &request)) refusal = std::string("the request ") + kUnparsableMessage;
+    if (std::string why = parse_message(&bytes, &request); !why.empty()) refusal = "the request " + why;
   }
   if (!refusal.empty()) {
     request_id_ = ctx_.make_request_id("gen-");

@@ -1,6 +1,9 @@
 #include "server/m3serve_service.h"
 
 #include "model/tokenizer.h"
+#include <optional>
+
+#include "server/api_keys.h"
 #include "server/converse_reactor.h"
 #include "server/generate_reactor.h"
 #include "server/metrics.h"
@@ -21,6 +24,7 @@ grpc::Status to_grpc_status(StreamStatus status, const std::string& message) {
     case StreamStatus::kFailedPrecondition: return {grpc::StatusCode::FAILED_PRECONDITION, message};
     case StreamStatus::kDataLoss: return {grpc::StatusCode::DATA_LOSS, message};
     case StreamStatus::kUnimplemented: return {grpc::StatusCode::UNIMPLEMENTED, message};
+    case StreamStatus::kUnauthenticated: return {grpc::StatusCode::UNAUTHENTICATED, message};
   }
   return {grpc::StatusCode::UNKNOWN, message};
 }
@@ -80,11 +84,18 @@ void record_call_done(ServiceContext& ctx, const grpc::CallbackServerContext& ca
                       uint64_t tokens_sent, StreamStatus finished_with, const std::string& message) {
   if (seq != nullptr) seq->detach_writer();
   CallEnd end{finished_with, message};
-  if (finished_with == StreamStatus::kOk && seq != nullptr && seq->was_cut()) {
+  // A cut call never delivered the status it was finished with (its client read nothing,
+  // so the status waited behind the unread messages): the client got CANCELLED.
+  if (seq != nullptr && seq->was_cut()) {
     end = {StreamStatus::kCancelled,
            "cancelled by the server: the client read nothing of the stream's last messages for "
            "stalled_stream_timeout_s"};
-  } else if (finished_with == StreamStatus::kOk && call.IsCancelled()) {
+    if (finished_with != StreamStatus::kOk)
+      end.message += std::string(" (the stream had ended with ") + stream_status_name(finished_with) + ": " +
+                     message + ")";
+  } else if (call.IsCancelled()) {
+    // Cancelled (by the client, its deadline or a broken connection) before the status it
+    // was finished with, if any, reached the client: what the client got is the cancellation.
     end = call_end_reason(call);
   }
   RequestRecord record;
@@ -95,7 +106,21 @@ void record_call_done(ServiceContext& ctx, const grpc::CallbackServerContext& ca
   if (seq != nullptr) record.summary = seq->summary;
   record.tokens_sent = tokens_sent;
   record.duration_ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
+  const std::string peer = call.peer();
+  record.peer = peer;
   record_request_end(ctx, record);
+}
+
+std::string unauthenticated_reason(ServiceContext& ctx, const grpc::CallbackServerContext& call,
+                                   std::string_view method) {
+  if (ctx.api_keys == nullptr) return "";
+  const auto& metadata = call.client_metadata();
+  std::optional<std::string_view> authorization;
+  if (auto it = metadata.find("authorization"); it != metadata.end())
+    authorization = std::string_view(it->second.data(), it->second.size());
+  std::string why = ctx.api_keys->check(authorization);
+  if (!why.empty()) ctx.log->warn("unauthenticated", std::string(method) + " from " + call.peer() + " refused: " + why);
+  return why;
 }
 
 void record_request_end(ServiceContext& ctx, const RequestRecord& record) {
@@ -123,8 +148,21 @@ grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* M3ServeService::Con
 grpc::ServerUnaryReactor* M3ServeService::GetModelInfo(grpc::CallbackServerContext* call,
                                                        const v1::GetModelInfoRequest*,
                                                        v1::ModelInfo* response) {
-  *response = context_.model_info;
   auto* reactor = call->DefaultReactor();
+  if (std::string why = unauthenticated_reason(context_, *call, "GetModelInfo"); !why.empty()) {
+    const std::string id = context_.make_request_id("info-");
+    RequestRecord record;
+    record.method = "GetModelInfo";
+    record.request_id = id;
+    record.status = StreamStatus::kUnauthenticated;
+    record.message = why;
+    const std::string peer = call->peer();
+    record.peer = peer;
+    record_request_end(context_, record);
+    reactor->Finish(to_grpc_status(StreamStatus::kUnauthenticated, why));
+    return reactor;
+  }
+  *response = context_.model_info;
   reactor->Finish(grpc::Status::OK);
   return reactor;
 }

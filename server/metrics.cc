@@ -63,7 +63,7 @@ prometheus::Histogram& add_histogram(prometheus::Registry& registry, const std::
 
 }  // namespace
 
-ServerMetrics::ServerMetrics(const std::string& bind_address)
+ServerMetrics::ServerMetrics(const std::string& bind_address, BasicAuth basic_auth)
     : registry_(std::make_shared<prometheus::Registry>()) {
   auto& registry = *registry_;
   // 50 us .. ~13 s.
@@ -133,6 +133,7 @@ ServerMetrics::ServerMetrics(const std::string& bind_address)
       throw std::runtime_error("metrics: cannot serve /metrics on " + bind_address + ": " +
                                e.what());
     }
+    if (basic_auth) exposer_->RegisterAuth(std::move(basic_auth), "m3serve metrics");
     exposer_->RegisterCollectable(registry_);
     exposer_host_ = reachable_host(bind_address.substr(0, bind_address.rfind(':')));
   }

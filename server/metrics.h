@@ -7,6 +7,7 @@
 
 #include <array>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -24,14 +25,16 @@ namespace m3 {
 class ServerMetrics {
  public:
   // The final statuses count_request() knows; any other string counts as "unknown".
-  static constexpr std::array<std::string_view, 12> kRequestStatuses = {
-      "ok",          "cancelled", "invalid_argument",    "resource_exhausted", "deadline_exceeded",
-      "internal",    "unavailable", "not_found",         "failed_precondition", "data_loss",
-      "unimplemented", "unknown"};
+  static constexpr std::array<std::string_view, 13> kRequestStatuses = {
+      "ok",          "cancelled",   "invalid_argument", "resource_exhausted",  "deadline_exceeded",
+      "internal",    "unavailable", "not_found",        "failed_precondition", "data_loss",
+      "unimplemented", "unauthenticated", "unknown"};
 
   // bind_address: "host:port" for the /metrics exposer (port 0: any free port), or "" for
-  // none. Throws std::runtime_error when it cannot listen there.
-  explicit ServerMetrics(const std::string& bind_address);
+  // none. Throws std::runtime_error when it cannot listen there. basic_auth: when set,
+  // /metrics answers only requests whose HTTP basic auth it accepts (user, password).
+  using BasicAuth = std::function<bool(const std::string& user, const std::string& password)>;
+  explicit ServerMetrics(const std::string& bind_address, BasicAuth basic_auth = nullptr);
   ~ServerMetrics();
   ServerMetrics(const ServerMetrics&) = delete;
   ServerMetrics& operator=(const ServerMetrics&) = delete;

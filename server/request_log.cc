@@ -10,14 +10,15 @@ RequestLog::RequestLog(std::shared_ptr<spdlog::logger> logger, int burst, std::c
 void RequestLog::request_done(const RequestRecord& r) {
   const SequenceSummary& s = r.summary;
   if (r.status == StreamStatus::kOk) {
-    logger_->info("{} id={} status=ok tokens_in={} tokens_out={} tokens_sent={} turns={} queue_ms={:.1f} ttft_ms={:.1f} duration_ms={:.1f}",
+    logger_->info("{} id={} status=ok tokens_in={} tokens_out={} tokens_sent={} turns={} queue_ms={:.1f} ttft_ms={:.1f} duration_ms={:.1f} finish={} peer={}",
                   r.method, r.request_id, s.prompt_tokens, s.generated_tokens, r.tokens_sent, s.turns,
-                  s.queue_ms, s.time_to_first_token_ms, r.duration_ms);
+                  s.queue_ms, s.time_to_first_token_ms, r.duration_ms, s.last_finish ? s.last_finish : "none",
+                  r.peer.empty() ? "-" : r.peer);
   } else {
-    logger_->info("{} id={} status={} tokens_in={} tokens_out={} tokens_sent={} turns={} queue_ms={:.1f} ttft_ms={:.1f} duration_ms={:.1f} error=\"{}\"",
+    logger_->info("{} id={} status={} tokens_in={} tokens_out={} tokens_sent={} turns={} queue_ms={:.1f} ttft_ms={:.1f} duration_ms={:.1f} finish={} peer={} error=\"{}\"",
                   r.method, r.request_id, stream_status_name(r.status), s.prompt_tokens,
                   s.generated_tokens, r.tokens_sent, s.turns, s.queue_ms, s.time_to_first_token_ms,
-                  r.duration_ms, r.message);
+                  r.duration_ms, s.last_finish ? s.last_finish : "none", r.peer.empty() ? "-" : r.peer, r.message);
   }
 }
 

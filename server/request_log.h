@@ -25,6 +25,7 @@ struct RequestRecord {
   SequenceSummary summary;
   uint64_t tokens_sent = 0;  // written to the stream: summary's generated tokens less those dropped
   double duration_ms = 0;
+  std::string_view peer;     // the client's address ("ipv4:10.0.0.7:51234"); "" if unknown
 };
 
 class RequestLog {

@@ -462,6 +462,7 @@ void Scheduler::end_reply(int i, FinishReason reason, Clock::time_point now) {
         (s.generated - 1) / seconds_between(s.first_token_time, s.last_token_time);
   seq.summary.prompt_tokens += s.turn_prompt_tokens;
   ++seq.summary.turns;
+  seq.summary.last_finish = finish_reason_name(reason);
   if (seq.outbox().end_turn(end)) wake_writer(s.seq);
 
   if (!seq.params().session) {

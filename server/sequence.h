@@ -70,6 +70,9 @@ struct SequenceSummary {
   uint32_t turns = 0;
   double time_to_first_token_ms = -1;  // first turn; -1: no token was made
   double queue_ms = 0;
+  // How the last reply ended ("length", "stop", "cancelled": cut by a shutdown, an error or
+  // the client); null when none ended. A stream cut by the drain ends "ok" with "cancelled".
+  const char* last_finish = nullptr;
 };
 
 class Sequence {

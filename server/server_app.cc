@@ -1,8 +1,11 @@
 #include "server/server_app.h"
 
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/generic/async_generic_service.h>
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
+#include <grpcpp/impl/server_builder_option.h>
+#include <grpcpp/impl/server_builder_plugin.h>
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
@@ -15,6 +18,7 @@
 #include "model/tokenizer.h"
 #include "model/vocab_layout.h"
 #include "model/weights.h"
+#include "server/api_keys.h"
 #include "server/demo_model.h"
 #include "server/library_logs.h"
 #include "server/m3serve_service.h"
@@ -29,6 +33,7 @@
 #include "server/snapshot_service.h"
 #include "server/stalled_streams.h"
 #include "server/vocab_serving.h"
+#include "server/tls_files.h"
 
 namespace m3 {
 namespace {
@@ -36,6 +41,34 @@ namespace {
 WeightDType weight_dtype_of(const std::string& name) {
   return name == "fp32" ? WeightDType::F32 : WeightDType::BF16;
 }
+
+// Takes server reflection off a server whose RPCs need an API key: reflection would need
+// none (gRPC's plugin is one service for every server of the process).
+class WithoutReflection final : public grpc::ServerBuilderOption {
+ public:
+  void UpdateArguments(grpc::ChannelArguments*) override {}
+  void UpdatePlugins(std::vector<std::unique_ptr<grpc::ServerBuilderPlugin>>* plugins) override {
+    plugins->erase(std::remove_if(plugins->begin(), plugins->end(),
+                                  [](const auto& p) { return p->name() == "proto_server_reflection"; }),
+                   plugins->end());
+  }
+};
+
+// The health_listen server's every other method: refused (it serves grpc.health.v1 alone).
+// (A server with no service of its own does not start; this one is it.)
+class NothingButHealth final : public grpc::CallbackGenericService {
+ public:
+  grpc::ServerGenericBidiReactor* CreateReactor(grpc::GenericCallbackServerContext* call) override {
+    class Refusal final : public grpc::ServerGenericBidiReactor {
+     public:
+      explicit Refusal(const std::string& method) {
+        Finish({grpc::StatusCode::UNIMPLEMENTED, method + ": this port (health_listen) serves only grpc.health.v1"});
+      }
+      void OnDone() override { delete this; }
+    };
+    return new Refusal(call->method());
+  }
+};
 
 // A setting in seconds as the scheduler's and the sweeper's clock duration.
 Clock::duration from_seconds(double seconds) {
@@ -102,7 +135,17 @@ ServerApp::ServerApp(const ServerConfig& config, std::shared_ptr<spdlog::logger>
     }
   }
 
-  metrics_ = std::make_unique<ServerMetrics>(config_.metrics_listen);
+  if (!config_.api_keys.empty()) api_keys_ = std::make_unique<ApiKeys>(config_.api_keys);
+  if (!config_.tls_cert.empty())
+    tls_ = std::make_unique<TlsFiles>(config_.tls_cert, config_.tls_key, config_.tls_client_ca);
+  ServerMetrics::BasicAuth metrics_auth;
+  if (!config_.metrics_auth.empty()) {
+    metrics_users_ = std::make_unique<ApiKeys>(config_.metrics_auth, "metrics_auth");
+    metrics_auth = [users = metrics_users_.get()](const std::string& user, const std::string& password) {
+      return users->accepts(user + ":" + password);
+    };
+  }
+  metrics_ = std::make_unique<ServerMetrics>(config_.metrics_listen, std::move(metrics_auth));
   request_log_ = std::make_unique<RequestLog>(logger_);
   library_log_route_ = std::make_unique<LibraryLogRoute>(*request_log_);
   SchedulerOptions scheduler_options;
@@ -134,6 +177,7 @@ ServerApp::ServerApp(const ServerConfig& config, std::shared_ptr<spdlog::logger>
   context_->metrics = metrics_.get();
   context_->log = request_log_.get();
   context_->tokenizer = tokenizer_.get();
+  context_->api_keys = api_keys_.get();
   context_->limits.vocab_size = mc.vocab_size;
   context_->limits.max_new_tokens_limit = config_.max_new_tokens_limit;
   context_->limits.max_prompt_tokens = config_.max_prompt_tokens;
@@ -177,21 +221,42 @@ ServerApp::ServerApp(const ServerConfig& config, std::shared_ptr<spdlog::logger>
   const int64_t per_token = std::max<int64_t>(5, kMaxTextBytesPerToken);
   const int64_t max_message = std::max<int64_t>(4 << 20, per_token * config_.max_prompt_tokens + (64 << 10));
   builder.SetMaxReceiveMessageSize(static_cast<int>(std::min<int64_t>(max_message, INT32_MAX)));
-  builder.AddListeningPort(config_.listen, grpc::InsecureServerCredentials(), &port_);
+  // The health-only plaintext port first: when it cannot listen, nothing has started.
+  if (!config_.health_listen.empty()) {
+    grpc::ServerBuilder health_builder;
+    health_builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+    health_builder.SetOption(std::make_unique<WithoutReflection>());
+    health_only_service_ = std::make_unique<NothingButHealth>();
+    health_builder.RegisterCallbackGenericService(health_only_service_.get());
+    health_builder.AddListeningPort(config_.health_listen, grpc::InsecureServerCredentials(), &health_port_);
+    health_server_ = health_builder.BuildAndStart();
+    if (!health_server_ || health_port_ == 0)
+      throw std::runtime_error("cannot listen for health checks on " + config_.health_listen +
+                               " (health_listen: address in use, or not an address of this machine?)");
+  }
+  if (api_keys_) builder.SetOption(std::make_unique<WithoutReflection>());
+  builder.AddListeningPort(config_.listen, tls_ ? tls_->credentials() : grpc::InsecureServerCredentials(), &port_);
   builder.RegisterService(service_.get());
   server_ = builder.BuildAndStart();
   if (!server_ || port_ == 0)
     throw std::runtime_error("cannot listen for gRPC on " + config_.listen +
                              " (address in use, or not an address of this machine?)");
   // By service name too: probes that name it (grpc_health_probe -service, Kubernetes)
-  // got NOT_FOUND. SetServingStatus(bool) below and in shutdown covers every name set.
-  server_->GetHealthCheckService()->SetServingStatus(v1::M3Serve::service_full_name(), true);
-  server_->GetHealthCheckService()->SetServingStatus(true);
-  logger_->info("serving m3serve.v1.M3Serve on {} (metrics: {})", address(),
+  // got NOT_FOUND. SetServingStatus(bool) in set_serving covers every name set.
+  for (grpc::Server* s : {server_.get(), health_server_.get()})
+    if (s) s->GetHealthCheckService()->SetServingStatus(v1::M3Serve::service_full_name(), true);
+  set_serving(true);
+  if (health_server_)
+    logger_->info("health checks (grpc.health.v1 only, plaintext) on {}:{}",
+                  config_.health_listen.substr(0, config_.health_listen.rfind(':')), health_port_);
+  logger_->info("serving m3serve.v1.M3Serve on {} ({}; {}) (metrics: {}{})", address(),
+                !tls_ ? "plaintext, no TLS" : tls_->mutual() ? "mutual TLS" : "TLS",
+                api_keys_ ? fmt::format("{} API keys", api_keys_->size()) : std::string("no API key needed"),
                 config_.metrics_listen.empty()
                     ? std::string("off")
                     : "http://" + config_.metrics_listen.substr(0, config_.metrics_listen.rfind(':')) +
-                          ":" + std::to_string(metrics_->exposer_port()) + "/metrics");
+                          ":" + std::to_string(metrics_->exposer_port()) + "/metrics",
+                metrics_users_ ? ", basic auth" : "");
   // Last: nothing after it may throw (a joinable thread's destructor would terminate).
   stream_sweeper_ = std::thread([this] { sweep_streams(); });
 }
@@ -246,9 +311,48 @@ void ServerApp::sweep_streams() {
   }
 }
 
+void ServerApp::begin_drain() {
+  {
+    std::lock_guard lock(health_mu_);
+    if (draining_ || health_final_) return;
+    draining_ = true;
+    set_serving(false);
+  }
+  logger_->info("draining: health reports NOT_SERVING for {:g}s (drain_delay_s) while requests are still served",
+                config_.drain_delay_s);
+}
+
+bool ServerApp::reload() {
+  bool ok = true;
+  const auto attempt = [&](const char* what, auto&& load) {
+    try {
+      load();
+    } catch (const std::exception& e) {
+      ok = false;
+      logger_->error("SIGHUP: {} not reloaded, the old ones stay in force: {}", what, e.what());
+    }
+  };
+  if (api_keys_) attempt("API keys", [&] { logger_->info("SIGHUP: {} API keys from {}", api_keys_->reload(), config_.api_keys); });
+  if (metrics_users_)
+    attempt("metrics_auth users",
+            [&] { logger_->info("SIGHUP: {} metrics_auth users from {}", metrics_users_->reload(), config_.metrics_auth); });
+  if (tls_)
+    attempt("TLS certificates", [&] {
+      tls_->reload();
+      logger_->info("SIGHUP: TLS certificate {} and key re-read; new connections use them", config_.tls_cert);
+    });
+  if (!api_keys_ && !metrics_users_ && !tls_) logger_->info("SIGHUP: no API keys, metrics_auth or TLS files to re-read");
+  return ok;
+}
+
+void ServerApp::set_serving(bool serving) {
+  server_->GetHealthCheckService()->SetServingStatus(serving);
+  if (health_server_) health_server_->GetHealthCheckService()->SetServingStatus(serving);
+}
+
 void ServerApp::report_not_serving() {
   std::lock_guard lock(health_mu_);
-  if (server_ && !health_final_) server_->GetHealthCheckService()->SetServingStatus(false);
+  if (server_ && !health_final_) set_serving(false);
 }
 
 size_t ServerApp::sessions_not_started() const { return context_->unstarted_sessions.size(); }
@@ -262,7 +366,7 @@ void ServerApp::shutdown(std::chrono::duration<double> grace) {
   stopped_ = true;
   {
     std::lock_guard lock(health_mu_);
-    server_->GetHealthCheckService()->SetServingStatus(false);
+    set_serving(false);
     health_final_ = true;
   }
   scheduler_->stop_accepting();
@@ -289,6 +393,10 @@ void ServerApp::shutdown(std::chrono::duration<double> grace) {
   scheduler_->cancel_all();
   stop_listening.join();
   server_->Wait();
+  if (health_server_) {  // (last: probes saw NOT_SERVING until the end)
+    health_server_->Shutdown(std::chrono::system_clock::now());
+    health_server_->Wait();
+  }
   if (stream_sweeper_.joinable()) {  // (it cut stalled streams while gRPC waited for them)
     {
       std::lock_guard lock(sweep_mu_);

@@ -11,6 +11,7 @@
 #include <map>
 #include <sstream>
 #include <stdexcept>
+#include <utility>
 #include <variant>
 
 #include "server/snapshot_store.h"
@@ -81,6 +82,21 @@ const std::vector<Setting>& settings() {
       {"session_swap_after_s", &ServerConfig::session_swap_after_s,
        "seconds a Converse session waits between turns before its state leaves its slot for host memory; 0: never"},
       {"max_sessions", &ServerConfig::max_sessions, "Converse sessions open at once; 0: no limit"},
+      // Production: drain, TLS, API keys, /metrics access.
+      {"drain_delay_s", &ServerConfig::drain_delay_s,
+       "seconds the health service reports NOT_SERVING on SIGTERM while requests are still served, "
+       "before the server stops accepting (so load balancers see it first)"},
+      {"health_listen", &ServerConfig::health_listen,
+       "host:port of a second, plaintext gRPC port serving only grpc.health.v1 (probes that cannot speak TLS, "
+       "such as the kubelet's); \"\" for none"},
+      {"tls_cert", &ServerConfig::tls_cert, "PEM certificate chain: serve gRPC over TLS (needs tls_key; re-read on SIGHUP)"},
+      {"tls_key", &ServerConfig::tls_key, "PEM private key of tls_cert"},
+      {"tls_client_ca", &ServerConfig::tls_client_ca,
+       "PEM CA certificates: require client certificates signed by them (mutual TLS; needs tls_cert)"},
+      {"api_keys", &ServerConfig::api_keys,
+       "file of API keys, one a line: every RPC but health needs 'authorization: Bearer KEY' (re-read on SIGHUP)"},
+      {"metrics_auth", &ServerConfig::metrics_auth,
+       "file of user:password lines: /metrics needs HTTP basic auth with one of them (re-read on SIGHUP)"},
   };
   return kSettings;
 }
@@ -293,6 +309,20 @@ void ServerConfig::validate() const {
   if (prefix_cache_capacity_bytes < 1)
     throw std::invalid_argument("prefix_cache_capacity_bytes must be at least 1, got " +
                                 std::to_string(prefix_cache_capacity_bytes));
+  if (!health_listen.empty()) check_address("health_listen", health_listen);
+  if (!std::isfinite(drain_delay_s) || drain_delay_s < 0 || drain_delay_s > 3600)
+    throw std::invalid_argument("drain_delay_s must be between 0 and 3600 seconds, got " +
+                                std::to_string(drain_delay_s));
+  if (tls_cert.empty() != tls_key.empty())
+    throw std::invalid_argument(tls_cert.empty() ? "tls_key is set but tls_cert is not: TLS needs both"
+                                                 : "tls_cert is set but tls_key is not: TLS needs both");
+  if (!tls_client_ca.empty() && tls_cert.empty())
+    throw std::invalid_argument("tls_client_ca needs tls_cert and tls_key (mutual TLS is TLS first)");
+  for (const auto& [key, path] : {std::pair{"tls_cert", &tls_cert}, std::pair{"tls_key", &tls_key},
+                                  std::pair{"tls_client_ca", &tls_client_ca}, std::pair{"api_keys", &api_keys},
+                                  std::pair{"metrics_auth", &metrics_auth}})
+    if (!path->empty() && !std::filesystem::is_regular_file(*path))
+      throw std::invalid_argument(std::string(key) + ": '" + *path + "' is not a file");
   if (!model.empty() && !std::filesystem::is_directory(model))
     throw std::invalid_argument("model: '" + model + "' is not a directory");
   if (!tokenizer.empty() && !std::filesystem::is_regular_file(tokenizer))

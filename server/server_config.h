@@ -12,8 +12,8 @@
 namespace m3 {
 
 struct ServerConfig {
-  std::string listen = "0.0.0.0:50051";     // gRPC address (port 0: any free port)
-  std::string metrics_listen = "0.0.0.0:9464";  // Prometheus /metrics; "" = off
+  std::string listen = "127.0.0.1:50051";   // gRPC address (port 0: any free port)
+  std::string metrics_listen = "127.0.0.1:9464";  // Prometheus /metrics; "" = off
   std::string model;                         // model directory; "" = generated demo model
   std::string demo_model_dir;                // where the demo model goes; "" = cache dir
   std::string tokenizer;                     // SentencePiece .model; "" = token ids only
@@ -36,7 +36,7 @@ struct ServerConfig {
   std::string log_level = "info";            // trace | debug | info | warn | error | off
   // CUDA: how the decode step is built; YAML section `cuda:`, flags --cuda-<key-path>.
   CudaPolicy cuda;
-  // Snapshots (issue 25).
+  // Snapshots, the prefix cache, idle sessions.
   std::string snapshot_store = "memory";     // memory | dir:PATH | redis://HOST:PORT
   int64_t snapshot_capacity_bytes = 0;       // LRU-evicted beyond this; 0 = no limit
   double snapshot_ttl_s = 0;                 // 0 = none
@@ -45,6 +45,14 @@ struct ServerConfig {
   int64_t prefix_cache_capacity_bytes = int64_t{1} << 30;  // LRU-evicted beyond this
   double session_swap_after_s = 0;           // an idle session's state leaves its slot after this; 0 = never
   int max_sessions = 0;                      // Converse sessions open at once; 0 = no limit
+  // Production: drain, TLS, API keys, /metrics access.
+  double drain_delay_s = 5.0;                // SIGTERM: NOT_SERVING this long, still serving, then shutdown
+  std::string health_listen;                 // plaintext port with only grpc.health.v1; "" = none
+  std::string tls_cert;                      // PEM certificate chain; with tls_key: gRPC over TLS
+  std::string tls_key;                       // PEM private key of tls_cert
+  std::string tls_client_ca;                 // PEM CA bundle; set: clients need a certificate it signed
+  std::string api_keys;                      // file of keys, one a line; set: RPCs need "Bearer KEY"
+  std::string metrics_auth;                  // file of user:password lines; set: /metrics needs basic auth
 
   // Throws std::invalid_argument naming the setting when a value is out of range.
   void validate() const;

@@ -19,6 +19,7 @@
 
 namespace m3 {
 
+class ApiKeys;
 class ServerMetrics;
 class SnapshotService;
 class StreamDetokenizer;
@@ -41,6 +42,7 @@ struct ServiceContext {
   // Turn rules (the vocabulary's controls; -1: none): fed after each Converse turn; ends a reply.
   int32_t end_of_turn_id = -1;
   int32_t end_of_reply_id = -1;
+  const ApiKeys* api_keys = nullptr;     // null: no key needed
   RequestLimits limits;
   size_t stream_buffer_tokens = 1024;
   v1::ModelInfo model_info;
@@ -77,6 +79,11 @@ void record_call_done(ServiceContext& ctx, const grpc::CallbackServerContext& ca
                       uint64_t tokens_sent, StreamStatus finished_with, const std::string& message);
 // Ends the sequence at the next token boundary with call_end_reason(call).
 void request_cancel_for_call_end(Sequence& seq, const grpc::CallbackServerContext& call);
+// "" when the call may proceed (no API keys configured, or its authorization metadata
+// carries one); else why not, for its UNAUTHENTICATED status. A refusal is also warned
+// about (rate-limited, with the peer, never with what the client sent).
+std::string unauthenticated_reason(ServiceContext& ctx, const grpc::CallbackServerContext& call,
+                                   std::string_view method);
 // After a stream ends: the request counter, the duration histogram, the log line.
 void record_request_end(ServiceContext& ctx, const RequestRecord& record);
 

@@ -5,6 +5,16 @@
 
 namespace m3 {
 
+const char* finish_reason_name(FinishReason reason) {
+  switch (reason) {
+    case FinishReason::kLength: return "length";
+    case FinishReason::kStop: return "stop";
+    case FinishReason::kCancelled: return "cancelled";
+    case FinishReason::kEndOfReply: return "end_of_reply";
+  }
+  return "unknown";
+}
+
 const char* stream_status_name(StreamStatus s) {
   switch (s) {
     case StreamStatus::kOk: return "ok";
@@ -18,6 +28,7 @@ const char* stream_status_name(StreamStatus s) {
     case StreamStatus::kFailedPrecondition: return "failed_precondition";
     case StreamStatus::kDataLoss: return "data_loss";
     case StreamStatus::kUnimplemented: return "unimplemented";
+    case StreamStatus::kUnauthenticated: return "unauthenticated";
   }
   return "unknown";
 }

@@ -22,6 +22,7 @@
 namespace m3 {
 
 enum class FinishReason { kLength, kStop, kCancelled, kEndOfReply };
+const char* finish_reason_name(FinishReason reason);  // "length", "stop", "cancelled", "end_of_reply"
 
 // Final status of a stream (the gRPC code it maps to).
 enum class StreamStatus {
@@ -32,12 +33,13 @@ enum class StreamStatus {
   kDeadlineExceeded,
   kInternal,
   kUnavailable,
-  // Snapshots (issue 25): an unknown id, another model's, a damaged one, an engine that
+  // Snapshots: an unknown id, another model's, a damaged one, an engine that
   // cannot copy its state.
   kNotFound,
   kFailedPrecondition,
   kDataLoss,
   kUnimplemented,
+  kUnauthenticated,  // no valid API key (refused before anything else)
 };
 const char* stream_status_name(StreamStatus);  // "ok", "invalid_argument", ... (metric labels)
 // The UNAVAILABLE message of every request a shutdown refuses or ends.

@@ -1,6 +1,6 @@
 // Messages to and from the bytes gRPC carries, for the streams that read and write their
-// own (M3ServeService's Generate and Converse): a request protobuf cannot parse (a text
-// field that is not UTF-8) is then refused by the server with INVALID_ARGUMENT and counted,
+// own (M3ServeService's Generate and Converse): a request protobuf cannot parse (broken
+// bytes, or a text field that is not UTF-8) is then refused by the server with INVALID_ARGUMENT and counted,
 // where gRPC 1.51 failed the call itself with UNIMPLEMENTED and no message.
 #pragma once
 
@@ -8,20 +8,27 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <string>
+#include <vector>
 
 #include "m3serve.grpc.pb.h"
+#include "server/unparsable_message.h"
 
 namespace m3 {
 
-// Why a request that parse_message refused is refused (INVALID_ARGUMENT).
-inline constexpr const char* kUnparsableMessage =
-    "could not be parsed as this method's request (protobuf requires its text fields to be valid UTF-8)";
-
-// Parses `bytes` into `message` (emptying `bytes`, as gRPC's reader does); false when
-// protobuf cannot.
+// Parses `bytes` into `message` (emptying `bytes`, as gRPC's reader does). Returns "" or,
+// when protobuf cannot, why not: "could not be parsed as this method's request: " and
+// what is wrong (unparsable_message.h: bytes that are no protobuf encoding, or the text
+// field that is not UTF-8).
 template <class Message>
-bool parse_message(grpc::ByteBuffer* bytes, Message* message) {
-  return grpc::SerializationTraits<Message>::Deserialize(bytes, message).ok();
+std::string parse_message(grpc::ByteBuffer* bytes, Message* message) {
+  const grpc::ByteBuffer kept(*bytes);  // (shares the slices)
+  if (grpc::SerializationTraits<Message>::Deserialize(bytes, message).ok()) return "";
+  std::vector<grpc::Slice> slices;
+  std::string flat;
+  if (kept.Valid() && kept.Dump(&slices).ok())
+    for (const grpc::Slice& slice : slices) flat.append(reinterpret_cast<const char*>(slice.begin()), slice.size());
+  return "could not be parsed as this method's request: " + why_unparsable(flat, *Message::descriptor());
 }
 
 // `message` as bytes for StartWrite, replacing what `bytes` held. Protobuf refuses only

@@ -25,7 +25,7 @@ using client::Flags;
 using client::UsageError;
 using Clock = std::chrono::steady_clock;
 
-constexpr const char* kUsage = R"(usage: m3bench serve [options]
+const std::string kUsage = R"(usage: m3bench serve [options]
   --server host:port      default 127.0.0.1:50051
   --concurrency N         requests in flight (default 8)
   --requests M            requests in all (default 64)
@@ -39,7 +39,7 @@ constexpr const char* kUsage = R"(usage: m3bench serve [options]
   --connect-timeout S     seconds to wait for the server (default 5)
                           (seconds: more than 0, at most 1000000)
   --json out.json         also write the results as JSON
-)";
+)" + std::string(client::kSecurityUsage);
 
 struct BenchOptions {
   std::string server;
@@ -52,6 +52,7 @@ struct BenchOptions {
   std::chrono::milliseconds timeout{300'000};
   std::chrono::milliseconds connect_timeout{5'000};
   std::string json_path;
+  client::ConnectionSecurity security;
 };
 
 struct RequestResult {
@@ -146,7 +147,8 @@ RequestResult run_one(m3serve::v1::M3Serve::Stub& stub, const BenchOptions& opti
 BenchOptions parse_options(const std::vector<std::string>& args) {
   Flags flags(args,
               {"server", "concurrency", "requests", "prompt-len", "shared-prefix", "max-new-tokens", "temperature",
-               "timeout", "connect-timeout", "json"},
+               "timeout", "connect-timeout", "json", "tls-ca", "tls-cert", "tls-key", "tls-server-name",
+               "api-key-file"},
               {});
   if (!flags.positional().empty()) {
     throw UsageError("unexpected argument '" + flags.positional().front() + "'");
@@ -162,6 +164,7 @@ BenchOptions parse_options(const std::vector<std::string>& args) {
   o.timeout = flags.get_seconds("timeout").value_or(o.timeout);
   o.connect_timeout = flags.get_seconds("connect-timeout").value_or(o.connect_timeout);
   o.json_path = flags.get("json", "");
+  o.security = client::connection_security(flags);
   if (o.temperature < 0) throw UsageError("--temperature must not be negative");
   return o;
 }
@@ -171,7 +174,7 @@ nlohmann::json summary_json(const Summary& s) {
 }
 
 int run(const BenchOptions& options) {
-  auto channel = client::connect(options.server, options.connect_timeout);
+  auto channel = client::connect(options.server, options.connect_timeout, options.security);
   auto stub = m3serve::v1::M3Serve::NewStub(channel);
 
   m3serve::v1::ModelInfo info;
@@ -285,13 +288,13 @@ int run_bench_serve(int argc, char** argv) {
     args.emplace_back(argv[i]);
   }
   if (std::find(args.begin(), args.end(), "--help") != args.end()) {
-    std::fputs(kUsage, stdout);
+    std::fputs(kUsage.c_str(), stdout);
     return 0;
   }
   try {
     return run(parse_options(args));
   } catch (const UsageError& e) {
-    std::fprintf(stderr, "m3bench serve: %s\n\n%s", e.what(), kUsage);
+    std::fprintf(stderr, "m3bench serve: %s\n\n%s", e.what(), kUsage.c_str());
     return 2;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "m3bench serve: %s\n", e.what());

@@ -5,6 +5,10 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <fstream>
+#include <sstream>
+
+#include <grpcpp/support/client_interceptor.h>
 
 #include "model/tools/integer_text.h"
 
@@ -225,12 +229,88 @@ std::string TerminalText::finish() {
   return std::string(1, '\xC2');
 }
 
+namespace {
+
+std::string read_flag_file(std::string_view flag, const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw UsageError("--" + std::string(flag) + ": cannot read '" + path + "'");
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+// Adds "authorization: Bearer KEY" to every call of the channel.
+class BearerInterceptor final : public grpc::experimental::Interceptor {
+ public:
+  explicit BearerInterceptor(const std::string& value) : value_(value) {}
+  void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
+    if (methods->QueryInterceptionHookPoint(grpc::experimental::InterceptionHookPoints::PRE_SEND_INITIAL_METADATA))
+      methods->GetSendInitialMetadata()->emplace("authorization", value_);
+    methods->Proceed();
+  }
+
+ private:
+  const std::string& value_;  // (the factory's, which the channel keeps)
+};
+
+class BearerInterceptorFactory final : public grpc::experimental::ClientInterceptorFactoryInterface {
+ public:
+  explicit BearerInterceptorFactory(const std::string& key) : value_("Bearer " + key) {}
+  grpc::experimental::Interceptor* CreateClientInterceptor(grpc::experimental::ClientRpcInfo*) override {
+    return new BearerInterceptor(value_);
+  }
+
+ private:
+  const std::string value_;
+};
+
+}  // namespace
+
+ConnectionSecurity connection_security(const Flags& flags) {
+  ConnectionSecurity s;
+  if (auto path = flags.find("tls-ca")) s.tls_ca_pem = read_flag_file("tls-ca", *path);
+  const auto cert = flags.find("tls-cert"), key = flags.find("tls-key");
+  if (cert.has_value() != key.has_value()) throw UsageError("--tls-cert and --tls-key go together");
+  if (cert && !flags.has("tls-ca")) throw UsageError("--tls-cert needs --tls-ca (a client certificate is for TLS)");
+  if (cert) {
+    s.tls_cert_pem = read_flag_file("tls-cert", *cert);
+    s.tls_key_pem = read_flag_file("tls-key", *key);
+  }
+  s.tls_server_name = flags.get("tls-server-name", "");
+  if (!s.tls_server_name.empty() && !flags.has("tls-ca")) throw UsageError("--tls-server-name needs --tls-ca");
+  if (auto path = flags.find("api-key-file")) {
+    std::istringstream lines(read_flag_file("api-key-file", *path));
+    for (std::string line; s.api_key.empty() && std::getline(lines, line);) {
+      const size_t b = line.find_first_not_of(" \t\r"), e = line.find_last_not_of(" \t\r");
+      if (b != std::string::npos && line[b] != '#') s.api_key = line.substr(b, e - b + 1);
+    }
+    if (s.api_key.empty()) throw UsageError("--api-key-file: '" + *path + "' holds no key");
+  }
+  return s;
+}
+
 std::shared_ptr<grpc::Channel> connect(const std::string& address,
-                                       std::chrono::milliseconds wait) {
-  auto channel = grpc::CreateChannel(address, grpc::InsecureChannelCredentials());
+                                       std::chrono::milliseconds wait,
+                                       const ConnectionSecurity& security) {
+  std::shared_ptr<grpc::ChannelCredentials> credentials = grpc::InsecureChannelCredentials();
+  grpc::ChannelArguments args;
+  if (!security.tls_ca_pem.empty()) {
+    grpc::SslCredentialsOptions tls;
+    tls.pem_root_certs = security.tls_ca_pem;
+    tls.pem_cert_chain = security.tls_cert_pem;
+    tls.pem_private_key = security.tls_key_pem;
+    credentials = grpc::SslCredentials(tls);
+    if (!security.tls_server_name.empty()) args.SetSslTargetNameOverride(security.tls_server_name);
+  }
+  std::vector<std::unique_ptr<grpc::experimental::ClientInterceptorFactoryInterface>> interceptors;
+  if (!security.api_key.empty()) interceptors.push_back(std::make_unique<BearerInterceptorFactory>(security.api_key));
+  auto channel = grpc::experimental::CreateCustomChannelWithInterceptors(address, credentials, args,
+                                                                          std::move(interceptors));
   if (!channel->WaitForConnected(std::chrono::system_clock::now() + wait)) {
     throw std::runtime_error("cannot reach the server at " + address + " (no connection within " +
-                             std::to_string(wait.count()) + " ms; is m3serve running there?)");
+                             std::to_string(wait.count()) + " ms; is m3serve running there" +
+                             (security.tls_ca_pem.empty() ? ", without TLS?" : ", with TLS, with a certificate --tls-ca trusts?") +
+                             ")");
   }
   return channel;
 }

@@ -72,10 +72,33 @@ class TerminalText {
   bool held_lead_ = false;
 };
 
-// An insecure channel to `address`, connected within `wait`; otherwise throws
-// std::runtime_error "cannot reach the server at <address> (...)".
+// How a client reaches a server that wants TLS or an API key: the flags --tls-ca FILE
+// (TLS, trusting these CA certificates), --tls-cert FILE and --tls-key FILE (a client
+// certificate, for mutual TLS), --tls-server-name NAME (the name the server's certificate
+// must carry, when --server gives another, such as an IP address) and --api-key-file FILE
+// (its first key, sent as "authorization: Bearer KEY" with every call).
+struct ConnectionSecurity {
+  std::string tls_ca_pem;  // "": plaintext
+  std::string tls_cert_pem, tls_key_pem;
+  std::string tls_server_name;
+  std::string api_key;  // "": none sent
+};
+inline const std::vector<std::string_view> kSecurityOptions = {"tls-ca", "tls-cert", "tls-key", "tls-server-name",
+                                                               "api-key-file"};
+inline constexpr const char* kSecurityUsage =
+    "  --tls-ca FILE             TLS: trust the server certificates these PEM CA certificates sign\n"
+    "  --tls-cert FILE --tls-key FILE   a client certificate and key (PEM), for mutual TLS\n"
+    "  --tls-server-name NAME    the name the server's certificate must carry (default: --server's host)\n"
+    "  --api-key-file FILE       send the file's first key (one a line, # comments) as 'authorization: Bearer KEY'\n";
+// Reads the files the flags name; throws UsageError naming the flag and file.
+ConnectionSecurity connection_security(const Flags& flags);
+
+// A channel to `address` (plaintext, or TLS as `security` says, with its API key on every
+// call), connected within `wait`; otherwise throws std::runtime_error "cannot reach the
+// server at <address> (...)".
 std::shared_ptr<grpc::Channel> connect(const std::string& address,
-                                       std::chrono::milliseconds wait);
+                                       std::chrono::milliseconds wait,
+                                       const ConnectionSecurity& security = {});
 
 std::string_view status_code_name(grpc::StatusCode code);  // "UNAVAILABLE"
 // "UNAVAILABLE: <message>".

@@ -23,7 +23,7 @@ using m3::client::Flags;
 using m3::client::UsageError;
 using Clock = std::chrono::steady_clock;
 
-constexpr const char* kUsage = R"(usage: m3cli [--server host:port] <command> [options]
+const std::string kUsage = R"(usage: m3cli [--server host:port] <command> [options]
 
 commands:
   generate --ids 1,2,3 | --text "..."   stream one continuation
@@ -46,9 +46,10 @@ common options:
   --connect-timeout S       seconds to wait for a connection (default 5)
   --timeout S               deadline of the call in seconds (default: none; info: 10; health: 5)
   seconds: more than 0, at most 1000000, rounded up to whole milliseconds
-)";
+)" + std::string(m3::client::kSecurityUsage);
 
-const std::vector<std::string_view> kCommonOptions = {"server", "connect-timeout", "timeout"};
+const std::vector<std::string_view> kCommonOptions = {"server", "connect-timeout", "timeout", "tls-ca", "tls-cert",
+                                                      "tls-key", "tls-server-name", "api-key-file"};
 const std::vector<std::string_view> kSamplingOptions = {
     "max-new-tokens", "temperature", "top-k", "top-p", "seed", "stop", "allowed"};
 
@@ -69,13 +70,15 @@ struct CallSettings {
   std::string server;
   std::chrono::milliseconds connect_wait;
   std::optional<std::chrono::milliseconds> timeout;
+  m3::client::ConnectionSecurity security;
 };
 
 CallSettings call_settings(const Flags& flags,
                            std::optional<std::chrono::milliseconds> default_timeout) {
   return {flags.get("server", "127.0.0.1:50051"),
           flags.get_seconds("connect-timeout").value_or(std::chrono::seconds(5)),
-          flags.has("timeout") ? flags.get_seconds("timeout") : default_timeout};
+          flags.has("timeout") ? flags.get_seconds("timeout") : default_timeout,
+          m3::client::connection_security(flags)};
 }
 
 void set_deadline(grpc::ClientContext* context, const CallSettings& call) {
@@ -83,7 +86,7 @@ void set_deadline(grpc::ClientContext* context, const CallSettings& call) {
 }
 
 std::shared_ptr<grpc::Channel> connect(const CallSettings& call) {
-  return m3::client::connect(call.server, call.connect_wait);
+  return m3::client::connect(call.server, call.connect_wait, call.security);
 }
 
 void fill_sampling(const Flags& flags, m3serve::v1::SamplingParams* sampling) {
@@ -439,7 +442,7 @@ int main(int argc, char** argv) {
   for (size_t i = 0; i < args.size(); ++i) {
     const std::string& arg = args[i];
     if (arg == "-h" || arg == "--help" || arg == "help") {
-      std::fputs(kUsage, stdout);
+      std::fputs(kUsage.c_str(), stdout);
       return 0;
     }
     if (arg.rfind("--", 0) == 0) {
@@ -465,7 +468,7 @@ int main(int argc, char** argv) {
     if (command == "health") return run_health(command_flags(args, options({"service"}), {}));
     throw UsageError(command.empty() ? "no command given" : "unknown command '" + command + "'");
   } catch (const UsageError& e) {
-    std::fprintf(stderr, "m3cli: %s\n\n%s", e.what(), kUsage);
+    std::fprintf(stderr, "m3cli: %s\n\n%s", e.what(), kUsage.c_str());
     return 2;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "m3cli: %s\n", e.what());

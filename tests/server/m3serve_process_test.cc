@@ -141,7 +141,7 @@ TEST(M3serveProcessTest, ServesTheDemoModelAndStopsOnSigterm) {
   const auto demo_dir = std::filesystem::temp_directory_path() /
                         ("m3serve-process-demo-" + std::to_string(getpid()));
   Process p = spawn_m3serve({"--backend", "cpu", "--listen", "127.0.0.1:0", "--metrics-listen", "",
-                             "--demo-model-dir", demo_dir.string(), "--shutdown-grace-s", "1"},
+                             "--demo-model-dir", demo_dir.string(), "--shutdown-grace-s", "1", "--drain-delay-s", "0"},
                             "m3serve-demo");
   KillIfRunning guard{p.pid};
   std::string log;

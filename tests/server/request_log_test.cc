@@ -44,20 +44,21 @@ TEST(RequestLogTest, OneLinePerRequestWithItsNumbers) {
   ASSERT_EQ(sink->count(), 1u);
   EXPECT_EQ(sink->lines()[0],
             "Generate id=abc status=invalid_argument tokens_in=3 tokens_out=0 tokens_sent=0 turns=0 "
-            "queue_ms=0.0 ttft_ms=-1.0 duration_ms=1.2 error=\"max_new_tokens must be at least 1\"");
+            "queue_ms=0.0 ttft_ms=-1.0 duration_ms=1.2 finish=none peer=- error=\"max_new_tokens must be at least 1\"");
 
   RequestRecord done;
   done.method = "Converse";
   done.request_id = "s1";
   done.summary = {.prompt_tokens = 4, .generated_tokens = 9, .turns = 2, .time_to_first_token_ms = 2.5,
-                  .queue_ms = 0.5};
+                  .queue_ms = 0.5, .last_finish = "stop"};
   done.tokens_sent = 7;
   done.duration_ms = 40;
+  done.peer = "ipv4:10.0.0.7:51234";
   log.request_done(done);
   ASSERT_EQ(sink->count(), 2u);
   EXPECT_EQ(sink->lines()[1],
             "Converse id=s1 status=ok tokens_in=4 tokens_out=9 tokens_sent=7 turns=2 queue_ms=0.5 ttft_ms=2.5 "
-            "duration_ms=40.0");
+            "duration_ms=40.0 finish=stop peer=ipv4:10.0.0.7:51234");
 }
 
 // Protobuf's and gRPC's lines reach the newest live route's log (several ServerApps in one

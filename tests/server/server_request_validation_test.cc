@@ -142,9 +142,11 @@ TEST(RequestValidationTest, ConverseProtocolErrorsAreInvalidArgument) {
       // (Turns count from 0, as TurnFinished.turn does.)
       {{config, long_turn, end}, "turn 0 has 8193 input tokens, this server's limit is 8192 (max_prompt_tokens)"},
       {{config, not_utf8},
-       "message 2 could not be parsed as this method's request (protobuf requires its text fields to be valid UTF-8)"},
+       "message 2 could not be parsed as this method's request: its field input_text is not valid UTF-8 "
+       "(protobuf requires text fields to be)"},
       {{not_utf8},  // (before the session started)
-       "message 1 could not be parsed as this method's request (protobuf requires its text fields to be valid UTF-8)"},
+       "message 1 could not be parsed as this method's request: its field input_text is not valid UTF-8 "
+       "(protobuf requires text fields to be)"},
   };
   for (const Case& c : cases) {
     grpc::Status status = converse_status(*server.stub, c.messages);
@@ -194,8 +196,8 @@ TEST(RequestValidationTest, UnparsableRequestsAreInvalidArgumentAndProtobufsLine
     const grpc::Status status = raw_call(server, "/m3serve.v1.M3Serve/Generate", not_utf8).status;
     EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << i;
     EXPECT_EQ(status.error_message(),
-              "the request could not be parsed as this method's request (protobuf requires its text fields "
-              "to be valid UTF-8)");
+              "the request could not be parsed as this method's request: its field prompt_text is not valid UTF-8 "
+              "(protobuf requires text fields to be)");
   }
   EXPECT_TRUE(wait_for_requests(*server.app, "invalid_argument", 20));
   const grpc::Status none = call_without_message(server, "/m3serve.v1.M3Serve/Generate");
