@@ -75,6 +75,12 @@ if [[ $MODE == all || $MODE == bench ]]; then
   rc=$?
   [[ $rc -eq 0 ]] || fail
   summary+=("m3bench decode bf16: exit $rc")
+  # Capacity: every bucket from 64 to 4096 (4,096 fp32 states are 56 GB).
+  "$BIN/m3bench" decode --config configs/models/s2s-14l.json --batch 64,128,256,512,1024,2048,4096 \
+      --iters 30 --json "$OUT/bench_bf16_capacity.json" 2>&1 | tee "$OUT/bench_bf16_capacity.txt"
+  rc=$?
+  [[ $rc -eq 0 ]] || fail
+  summary+=("m3bench decode bf16, batch 64 to 4096: exit $rc")
   # Policy variants (configs/server.yaml's cuda: section, as flags), one at a time, in the
   # same run; M3_AB_RUNS (one run's flags a line) replaces the list.
   ab_runs=${M3_AB_RUNS:-"--cuda-chains 1

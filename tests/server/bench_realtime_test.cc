@@ -17,20 +17,20 @@
 namespace m3::test {
 namespace {
 
-struct Run {
+struct ToolRun {
   int exit_code = -1;
   std::string out;
   nlohmann::json report;
 };
 
-Run m3bench_realtime(TestServer& server, const std::string& args) {
+ToolRun m3bench_realtime(TestServer& server, const std::string& args) {
   const auto dir = std::filesystem::temp_directory_path() / ("m3bench-realtime-" + std::to_string(::getpid()));
   std::filesystem::create_directories(dir);
   const auto json = dir / "report.json";
   std::filesystem::remove(json);
   const std::string cmd = std::string(M3_TEST_M3BENCH) + " realtime --server 127.0.0.1:" +
                           std::to_string(server.app->port()) + " " + args + " --json " + json.string() + " 2>&1";
-  Run run;
+  ToolRun run;
   FILE* p = popen(cmd.c_str(), "r");
   char buf[4096];
   for (size_t n; (n = fread(buf, 1, sizeof buf, p)) > 0;) run.out.append(buf, n);
@@ -43,7 +43,7 @@ Run m3bench_realtime(TestServer& server, const std::string& args) {
 
 TEST(BenchRealtime, SmallNHoldsAtARateTheEngineKeepsUpWithAndIsPacedByIt) {
   TestServer server;  // 4 slots
-  const Run run = m3bench_realtime(server, "--streams 1,3 --rate 50 --reply-tokens 40 --prompt-len 4 --slack-ms 300");
+  const ToolRun run = m3bench_realtime(server, "--streams 1,3 --rate 50 --reply-tokens 40 --prompt-len 4 --slack-ms 300");
   ASSERT_EQ(run.exit_code, 0) << run.out;
   ASSERT_TRUE(run.report.is_object()) << run.out;
   EXPECT_EQ(run.report["mode"], "generate");
@@ -64,7 +64,7 @@ TEST(BenchRealtime, SmallNHoldsAtARateTheEngineKeepsUpWithAndIsPacedByIt) {
 // 100,000 tokens/s a stream with no slack: token k is due k x 10 us after the request.
 TEST(BenchRealtime, ARateNoEngineKeepsUpWithIsLate) {
   TestServer server;
-  const Run run = m3bench_realtime(server, "--streams 2 --rate 100000 --slack-ms 0 --reply-tokens 200");
+  const ToolRun run = m3bench_realtime(server, "--streams 2 --rate 100000 --slack-ms 0 --reply-tokens 200");
   ASSERT_EQ(run.exit_code, 0) << run.out;
   const auto& r = run.report["results"][0];
   EXPECT_FALSE(r["held"].get<bool>()) << r.dump();
@@ -75,7 +75,7 @@ TEST(BenchRealtime, ARateNoEngineKeepsUpWithIsLate) {
 
 TEST(BenchRealtime, DuplexSessionsReportTheirTurnLatency) {
   TestServer server;
-  const Run run = m3bench_realtime(
+  const ToolRun run = m3bench_realtime(
       server, "--duplex --streams 2 --turns 2 --turn-tokens 20 --reply-tokens 16 --rate 100 --slack-ms 300");
   ASSERT_EQ(run.exit_code, 0) << run.out;
   EXPECT_EQ(run.report["mode"], "duplex");
@@ -94,7 +94,7 @@ TEST(BenchRealtime, DuplexSessionsReportTheirTurnLatency) {
 TEST(BenchRealtime, UsageErrorsExitTwo) {
   TestServer server;
   EXPECT_EQ(m3bench_realtime(server, "--rate 100").exit_code, 2);  // no --streams
-  const Run zero = m3bench_realtime(server, "--streams 0");
+  const ToolRun zero = m3bench_realtime(server, "--streams 0");
   EXPECT_EQ(zero.exit_code, 2);
   EXPECT_NE(zero.out.find("--streams: 0 is not in [1, 8192]"), std::string::npos) << zero.out;
 }

@@ -178,7 +178,7 @@ TEST(ServerConfigTest, BadFlagsAreRefused) {
             "unknown flag '--max-bach' (see --help)");
   EXPECT_EQ(error_of([] { parse_command_line({"--max-batch"}, ""); }), "--max-batch needs a value");
   EXPECT_EQ(error_of([] { parse_command_line({"--max-batch", "x"}, ""); }),
-            "--max-batch: expected an integer, got 'x'");
+            "--max-batch: expected auto or a positive integer, got 'x'");
   EXPECT_EQ(error_of([] { parse_command_line({"--backend", "tpu"}, ""); }),
             "backend must be one of auto, cuda, cpu, got 'tpu'");
   EXPECT_EQ(error_of([] { parse_command_line({"--config"}, ""); }), "--config needs a file argument");
