@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the lent GPU machine (device tool), from the repository root, with binaries
 # built elsewhere and carried in .device/:
-#   .device/bin/{m3_kernel_tests,m3_cuda_engine_tests,m3_cuda_no_allocation_test,m3check,m3bench}[.gz]
+#   .device/bin/{m3_kernel_tests,m3_cuda_engine_tests,m3_cuda_no_allocation_test,m3_cuda_capacity_tests,m3check,m3bench}[.gz]
 #   .device/golden/{tiny,small_norm_mlp}/   (copy of ../shared/golden)
 #   .device/lib/{libm3_kernel_trace.so,libcupti.so.13}[.gz]   (trace mode only)
 # Writes logs under $OUT (or ./device-out) and prints a short summary last; exits 1 when
@@ -32,7 +32,7 @@ fail() { failures=$((failures + 1)); }
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
 
 if [[ $MODE == all || $MODE == tests ]]; then
-  for t in m3_kernel_tests m3_cuda_engine_tests m3_cuda_no_allocation_test; do
+  for t in m3_kernel_tests m3_cuda_engine_tests m3_cuda_no_allocation_test m3_cuda_capacity_tests; do
     if "$BIN/$t" --gtest_brief=1 >"$OUT/$t.log" 2>&1; then r=PASS; else r=FAIL; fail; fi
     summary+=("$t: $r ($(grep -E '^\[  (PASSED|FAILED|SKIPPED) ' "$OUT/$t.log" | tr '\n' ' '))")
     [[ $r == FAIL ]] && grep -E "Failure|error|FAILED|Expected|Which is|actual" "$OUT/$t.log" | head -40
