@@ -1,4 +1,4 @@
-// The CUDA side of issue 28, for a session with a GPU: max_batch auto asks the device's
+// The CUDA side of max_batch auto and state_dtype: auto asks the device's
 // free memory and sizes from it; an engine of 4096 slots (13 buckets, the largest 4096)
 // steps them all and gives a slot what the CPU engine gives it; state_dtype bf16 is
 // refused by name until the kernels store it.
