@@ -42,7 +42,9 @@ constexpr const char* kUsage = R"(usage: m3bench realtime --streams N[,N...] [op
 
 A reply's start is when its request was sent (Generate) or its turn ended (--duplex):
 the first token has the slack to arrive, then one token each 1/R s. A stream that ends
-in an error does not hold. Turn latency: end of turn to the reply's first token.
+in an error does not hold. Turn latency: end of turn to the reply's first token. A server
+that runs ahead of the readers holds the tokens they have not read yet: a reply longer
+than its stream_buffer_tokens may be cut (RESOURCE_EXHAUSTED) where it runs far ahead.
 )";
 
 constexpr int kFrameTokens = 8;  // a codec frame: 8 codebook tokens
