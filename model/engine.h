@@ -38,6 +38,10 @@ struct SamplingParams {
 
 std::string_view weight_dtype_name(WeightDType);
 bool parse_weight_dtype(std::string_view, WeightDType*);
+// How the recurrent state is stored between steps; it is always updated in fp32.
+enum class StateDType { F32, BF16 };
+std::string_view state_dtype_name(StateDType);
+bool parse_state_dtype(std::string_view, StateDType*);
 
 struct EngineOptions {
   int max_slots = 1;
@@ -56,6 +60,10 @@ struct EngineOptions {
   int max_prefill_tokens = 2048;
   // The masks SamplingParams::mask picks from (token_mask.h), built once at load.
   std::vector<SamplingMask> sampling_masks;
+  // BF16: the ssm state (all but a few percent of it; the angles, which grow without bound,
+  // and k_prev, x_prev stay fp32) is rounded to nearest even when stored and widened when
+  // read: about half the bytes a step streams. The CPU engine only so far; CUDA refuses it.
+  StateDType state_dtype = StateDType::F32;
 };
 
 // One slot's share of a prefill() call: the tokens to feed it, in order.
@@ -180,5 +188,13 @@ std::unique_ptr<Engine> make_engine(std::string_view backend, const ModelWeights
                                     const EngineOptions& options);
 bool cuda_backend_built();      // this build has the CUDA engine
 bool cuda_backend_available();  // built with CUDA and a device is visible
+// Bytes free on the CUDA device (cudaMemGetInfo); throws when it cannot be asked.
+uint64_t cuda_free_memory(int device);
+
+// max_batch `auto` for `backend` (cpu, cuda, auto: as make_engine() resolves it) and
+// these options (their max_slots is ignored); see model/slot_budget.h.
+struct MaxBatchChoice;
+MaxBatchChoice choose_auto_max_batch(std::string_view backend, const ModelConfig& config,
+                                     const EngineOptions& options);
 
 }  // namespace m3

@@ -1,10 +1,15 @@
 // make_engine(): the one place that knows which backends exist.
+#include <algorithm>
 #include <stdexcept>
 #include <string>
+#include <thread>
 
 #include "model/cpu/cpu_engine.h"
 #include "model/engine.h"
+#include "model/slot_budget.h"
 #if defined(M3_WITH_CUDA)
+#include <cuda_runtime.h>
+
 #include "model/cuda/cuda_engine.h"
 #endif
 
@@ -45,6 +50,51 @@ bool cuda_backend_available() {
 #endif
 }
 
+uint64_t cuda_free_memory(int device) {
+#if defined(M3_WITH_CUDA)
+  size_t free = 0, total = 0;
+  cudaError_t err = cudaSetDevice(device);
+  if (err == cudaSuccess) err = cudaMemGetInfo(&free, &total);
+  if (err != cudaSuccess) {
+    throw std::runtime_error("cuda device " + std::to_string(device) +
+                             ": cannot read its free memory: " + cudaGetErrorString(err));
+  }
+  return free;
+#else
+  (void)device;
+  throw std::runtime_error("cuda_free_memory: this build has no CUDA support");
+#endif
+}
+
+MaxBatchChoice choose_auto_max_batch(std::string_view backend, const ModelConfig& config,
+                                     const EngineOptions& options) {
+  const bool cuda = backend == "cuda" || (backend == "auto" && cuda_backend_available());
+  if (cuda) {
+    return cuda_auto_max_batch(cuda_free_memory(options.device), config, options.weight_dtype,
+                               options.state_dtype);
+  }
+  const int cores = options.cpu_threads > 0
+                        ? options.cpu_threads
+                        : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  return cpu_auto_max_batch(cores);
+}
+
+#if defined(M3_WITH_CUDA)
+namespace {
+
+std::unique_ptr<Engine> make_cuda_engine_checked(const ModelWeights& weights, const EngineOptions& options) {
+  // (Its kernels read and write fp32 state only so far.)
+  if (options.state_dtype != StateDType::F32) {
+    throw std::runtime_error("state_dtype " + std::string(state_dtype_name(options.state_dtype)) +
+                             " is not implemented on the cuda backend yet (use state_dtype fp32, "
+                             "or backend cpu)");
+  }
+  return make_cuda_engine(weights, options);
+}
+
+}  // namespace
+#endif
+
 namespace {
 
 std::unique_ptr<Engine> make_backend(std::string_view backend, const ModelWeights& weights,
@@ -52,7 +102,7 @@ std::unique_ptr<Engine> make_backend(std::string_view backend, const ModelWeight
   if (backend == "cpu") return make_cpu_engine(weights, options);
   if (backend == "cuda" || backend == "auto") {
 #if defined(M3_WITH_CUDA)
-    if (cuda_device_count() > 0) return make_cuda_engine(weights, options);
+    if (cuda_device_count() > 0) return make_cuda_engine_checked(weights, options);
     if (backend == "cuda") {
       throw std::runtime_error("make_engine: backend \"cuda\" requested but no CUDA device is visible");
     }

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the lent GPU machine (device tool), from the repository root, with binaries
 # built elsewhere and carried in .device/:
-#   .device/bin/{m3_kernel_tests,m3_cuda_engine_tests,m3_cuda_no_allocation_test,m3check,m3bench}[.gz]
+#   .device/bin/{m3_kernel_tests,m3_cuda_engine_tests,m3_cuda_no_allocation_test,m3_cuda_capacity_tests,m3check,m3bench}[.gz]
 #   .device/golden/{tiny,small_norm_mlp}/   (copy of ../shared/golden)
 #   .device/lib/{libm3_kernel_trace.so,libcupti.so.13}[.gz]   (trace mode only)
 # Writes logs under $OUT (or ./device-out) and prints a short summary last; exits 1 when
@@ -32,7 +32,7 @@ fail() { failures=$((failures + 1)); }
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
 
 if [[ $MODE == all || $MODE == tests ]]; then
-  for t in m3_kernel_tests m3_cuda_engine_tests m3_cuda_no_allocation_test; do
+  for t in m3_kernel_tests m3_cuda_engine_tests m3_cuda_no_allocation_test m3_cuda_capacity_tests; do
     if "$BIN/$t" --gtest_brief=1 >"$OUT/$t.log" 2>&1; then r=PASS; else r=FAIL; fail; fi
     summary+=("$t: $r ($(grep -E '^\[  (PASSED|FAILED|SKIPPED) ' "$OUT/$t.log" | tr '\n' ' '))")
     [[ $r == FAIL ]] && grep -E "Failure|error|FAILED|Expected|Which is|actual" "$OUT/$t.log" | head -40
@@ -75,6 +75,12 @@ if [[ $MODE == all || $MODE == bench ]]; then
   rc=$?
   [[ $rc -eq 0 ]] || fail
   summary+=("m3bench decode bf16: exit $rc")
+  # Capacity: every bucket from 64 to 4096 (4,096 fp32 states are 56 GB).
+  "$BIN/m3bench" decode --config configs/models/s2s-14l.json --batch 64,128,256,512,1024,2048,4096 \
+      --iters 30 --json "$OUT/bench_bf16_capacity.json" 2>&1 | tee "$OUT/bench_bf16_capacity.txt"
+  rc=$?
+  [[ $rc -eq 0 ]] || fail
+  summary+=("m3bench decode bf16, batch 64 to 4096: exit $rc")
   # Policy variants (configs/server.yaml's cuda: section, as flags), one at a time, in the
   # same run; M3_AB_RUNS (one run's flags a line) replaces the list.
   ab_runs=${M3_AB_RUNS:-"--cuda-chains 1

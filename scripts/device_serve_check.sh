@@ -9,6 +9,9 @@
 # the engine's split two-chain step), scrapes
 # /metrics, then stops the server with SIGTERM and reports its exit status.
 # M3_SERVE_BACKEND=cpu runs the same on the CPU engine (to try the script without a GPU).
+# `realtime` serves the same model with max_batch auto and runs `m3bench realtime` (Generate,
+# then --duplex) at M3_RT_STREAMS / M3_RT_DUPLEX_STREAMS streams of 100 tokens/s, JSON under
+# $OUT (scripts/plot_bench.py realtime plots them).
 set -u -o pipefail
 MODE=${1:-}
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -29,7 +32,7 @@ pack)
   rm -rf "$STAGE"
   ls -la "$ROOT/.device/srv.tgz"
   ;;
-run)
+run | realtime)
   OUT=${OUT:-$PWD/device-out}
   mkdir -p "$OUT"
   D=$(mktemp -d)
@@ -39,15 +42,25 @@ run)
       >"$OUT/make.log" 2>&1 || { cat "$OUT/make.log"; exit 1; }
   # M3_SERVE_FLAGS: more m3serve flags (e.g. "--pipelined-steps false" for an A/B run).
   # shellcheck disable=SC2086
-  "$D/m3serve" --backend "${M3_SERVE_BACKEND:-cuda}" --model "$D/s2s" --max-batch 64 --listen 127.0.0.1:50051 ${M3_SERVE_FLAGS:-} \
+  BATCH=64
+  [[ $MODE == realtime ]] && BATCH=auto
+  "$D/m3serve" --backend "${M3_SERVE_BACKEND:-cuda}" --model "$D/s2s" --max-batch $BATCH --listen 127.0.0.1:50051 ${M3_SERVE_FLAGS:-} \
       --metrics-listen 127.0.0.1:9464 >"$OUT/serve.log" 2>&1 &
   server=$!
   for _ in $(seq 120); do "$D/m3cli" health >/dev/null 2>&1 && break; sleep 0.5; done
   "$D/m3cli" health && "$D/m3cli" info
   "$D/m3cli" generate --ids 1,2,3 --max-new-tokens 24 --print ids
+  grep -F "max_batch auto" "$OUT/serve.log"
+  if [[ $MODE == realtime ]]; then
+    "$D/m3bench" realtime --streams "${M3_RT_STREAMS:-256,512,1024,1280,1536,2048}" --rate 100 \
+        --json "$OUT/realtime.json"
+    "$D/m3bench" realtime --duplex --streams "${M3_RT_DUPLEX_STREAMS:-64,256,512,1024}" --rate 100 \
+        --reply-tokens 200 --json "$OUT/realtime_duplex.json"
+  else
   "$D/m3bench" serve --concurrency 64 --requests 256 --max-new-tokens 128 --json "$OUT/serve64.json"
   "$D/m3bench" serve --concurrency 16 --requests 64 --max-new-tokens 128 --json "$OUT/serve16.json"
   "$D/m3bench" serve --concurrency 1 --requests 4 --max-new-tokens 128 --json "$OUT/serve1.json"
+  fi
   python3 -c "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:9464/metrics').read().decode())" |
     grep -E '^m3serve' | grep -v _bucket
   kill -TERM "$server"
@@ -56,7 +69,7 @@ run)
   tail -3 "$OUT/serve.log"
   ;;
 *)
-  echo "usage: $0 pack [BUILD_DIR] | run" >&2
+  echo "usage: $0 pack [BUILD_DIR] | run | realtime" >&2
   exit 2
   ;;
 esac

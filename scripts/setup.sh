@@ -7,7 +7,7 @@ M3_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 M3_BUILD_DIR="${M3_BUILD_DIR:-$M3_ROOT/build}"
 
 M3_PACKAGES=(
-  build-essential cmake ninja-build pkg-config git python3 python3-venv
+  build-essential cmake ninja-build pkg-config git python3 python3-venv python3-matplotlib
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libsentencepiece-dev sentencepiece
   libspdlog-dev prometheus-cpp-dev libyaml-cpp-dev nlohmann-json3-dev

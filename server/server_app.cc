@@ -15,6 +15,7 @@
 
 #include "model/engine.h"
 #include "model/snapshot_format.h"
+#include "model/slot_budget.h"
 #include "model/tokenizer.h"
 #include "model/vocab_layout.h"
 #include "model/weights.h"
@@ -104,6 +105,12 @@ ServerApp::ServerApp(const ServerConfig& config, std::shared_ptr<spdlog::logger>
   engine_options.cuda = config_.cuda;
   if (config_.prefill_chunk_tokens > 0) engine_options.max_prefill_tokens = config_.prefill_chunk_tokens;
   if (vocab_) engine_options.sampling_masks = sampling_masks_for(*vocab_);
+  parse_state_dtype(config_.state_dtype, &engine_options.state_dtype);
+  if (config_.max_batch == 0) {
+    const MaxBatchChoice choice = choose_auto_max_batch(config_.backend, weights_->config(), engine_options);
+    logger_->info("max_batch auto: {} ({})", choice.max_batch, choice.reason);
+    config_.max_batch = engine_options.max_slots = choice.max_batch;
+  }
   engine_ = make_engine(config_.backend, *weights_, engine_options);
   const ModelConfig& mc = engine_->config();
   logger_->info("model {}: {} layers, d_model {}, vocab {}, {} parameters; backend {} with {} slots",

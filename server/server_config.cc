@@ -26,6 +26,7 @@ struct Setting {
   const char* key;
   Member member;
   const char* help;
+  bool auto_is_zero = false;  // the value "auto" is stored as 0
 };
 
 // The one list of settings: YAML keys, flags and help all come from it.
@@ -45,7 +46,13 @@ const std::vector<Setting>& settings() {
       {"cuda_graphs", &ServerConfig::cuda_graphs, "replay the decode step as a CUDA graph"},
       {"deterministic", &ServerConfig::deterministic,
        "CUDA: no atomics in the decode step, so runs repeat bit for bit (batch 1 up to ~18% slower, batch 2 ~3%)"},
-      {"max_batch", &ServerConfig::max_batch, "sequences decoded together (engine slots)"},
+      {"max_batch", &ServerConfig::max_batch,
+       "sequences decoded together (engine slots), 1..4096, or auto: from the GPU's free memory "
+       "and the state a slot holds, on the CPU from its cores",
+       true},
+      {"state_dtype", &ServerConfig::state_dtype,
+       "fp32 | bf16: the recurrent state stored in bf16 (updated in fp32) halves its bytes; "
+       "cpu backend only so far"},
       {"queue_capacity", &ServerConfig::queue_capacity,
        "requests that may wait for a slot; beyond: RESOURCE_EXHAUSTED"},
       {"pipelined_steps", &ServerConfig::pipelined_steps,
@@ -123,8 +130,20 @@ std::string flag_name(const char* key) {
   return f;
 }
 
-// Parses `text` into the member; returns "" or what was wrong ("expected an integer").
-std::string assign(ServerConfig& config, const Member& member, const std::string& text) {
+// Parses `text` into the setting; returns "" or what was wrong ("expected an integer").
+std::string assign(ServerConfig& config, const Setting& setting, const std::string& text) {
+  const Member& member = setting.member;
+  if (setting.auto_is_zero) {  // (0 is how auto is kept, so a 0 written out is refused)
+    int& value = config.*std::get<int ServerConfig::*>(member);
+    if (text == "auto") {
+      value = 0;
+      return "";
+    }
+    auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
+    if (text.empty() || ec != std::errc() || end != text.data() + text.size() || value < 1)
+      return "expected auto or a positive integer, got '" + text + "'";
+    return "";
+  }
   return std::visit(
       [&](auto ptr) -> std::string {
         using T = std::remove_reference_t<decltype(config.*ptr)>;
@@ -271,7 +290,10 @@ void ServerConfig::validate() const {
   check_one_of("log_level", log_level, {"trace", "debug", "info", "warn", "error", "off"});
   check_int("device", device, 0, 63);
   check_int("cpu_threads", cpu_threads, 0, 1024);
-  check_int("max_batch", max_batch, 1, 1024);
+  if (max_batch < 0 || max_batch > 4096)
+    throw std::invalid_argument("max_batch must be auto or between 1 and 4096, got " +
+                                std::to_string(max_batch));
+  check_one_of("state_dtype", state_dtype, {"fp32", "bf16"});
   check_int("queue_capacity", queue_capacity, 0, 1'000'000);
   // (The engine sizes its prefill buffers for one chunk at load.)
   check_int("prefill_chunk_tokens", prefill_chunk_tokens, 0, 65536);
@@ -362,7 +384,7 @@ ServerConfig parse_server_config_yaml(const std::string& yaml_text, const std::s
       throw std::invalid_argument(source + ": key '" + key +
                                   "': expected a single value, got a list or mapping");
     }
-    if (std::string err = assign(base, setting->member, text); !err.empty())
+    if (std::string err = assign(base, *setting, text); !err.empty())
       throw std::invalid_argument(source + ": key '" + key + "': " + err);
   }
   return base;
@@ -423,7 +445,7 @@ CommandLine parse_command_line(const std::vector<std::string>& args,
         throw std::invalid_argument("unknown flag '" + arg + "' (see --help)");
       continue;
     }
-    if (std::string err = assign(out.config, setting->member, value); !err.empty())
+    if (std::string err = assign(out.config, *setting, value); !err.empty())
       throw std::invalid_argument(arg + ": " + err);
   }
   if (!out.help) out.config.validate();

@@ -23,7 +23,8 @@ struct ServerConfig {
   int cpu_threads = 0;                       // CPU engine threads; 0 = all cores
   bool cuda_graphs = true;                   // off only for debugging
   bool deterministic = false;                // CUDA: bitwise-repeatable logits (no atomic out_proj)
-  int max_batch = 8;                         // engine slots = sequences decoded together
+  int max_batch = 0;                         // engine slots = sequences decoded together; 0: auto
+  std::string state_dtype = "fp32";          // fp32 | bf16: how the recurrent state is stored
   int queue_capacity = 64;                   // requests waiting for a slot; more: RESOURCE_EXHAUSTED
   bool pipelined_steps = true;               // submit each step before the previous one's tokens are out
   int prefill_chunk_tokens = 512;            // input tokens read by prefill per iteration; 0 = by decode steps

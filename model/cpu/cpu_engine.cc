@@ -15,6 +15,7 @@
 #include "model/cpu/cpu_ops.h"
 #include "model/cpu/cpu_sampling.h"
 #include "model/cpu/cpu_thread_pool.h"
+#include "model/tensor.h"
 #include "model/weights.h"
 
 namespace m3 {
@@ -86,6 +87,10 @@ class CpuEngine final : public Engine {
   void add_and_norm(int rows, const std::vector<float>& weight, float* out);
   // y[t, out] = W x[t] for t < tokens, rows split over the pool.
   void matmul(const std::vector<float>& W, int in, int out, const float* x, int tokens, float* y);
+  // Head h of a step with bf16 state: its ssm rows widened into `ssm_scratch` (one layer's
+  // ssm, at the head's offset), stepped in fp32, rounded back to nearest even.
+  void mixer_head_step_bf16(const cpu::MixerParams& params, int b, int h, int slot, int layer,
+                            float* scratch, float* ssm_scratch);
   // y[b, rows] = W x[b] for b < batch, rows split over the pool.
   void matvec(const std::vector<float>& W, int in, int out, const float* x, int batch, float* y);
 
@@ -100,10 +105,16 @@ class CpuEngine final : public Engine {
   const float* lm_head_ = nullptr;  // embedding_ when tied, else lm_head_own_
   std::vector<LayerWeights> layers_;
 
-  // Recurrent state: [slot][layer][angle | ssm | k_prev | x_prev].
+  // Recurrent state: [slot][layer][angle | ssm | k_prev | x_prev]. With bf16 state the
+  // ssm part (the bulk) lives in ssm_bf16_ ([slot][layer][H, P, N]) and is not in state_;
+  // the angles, which grow without bound, and the small k_prev and x_prev stay fp32.
   int64_t state_per_layer_ = 0;
   int64_t angle_off_ = 0, ssm_off_ = 0, k_prev_off_ = 0, x_prev_off_ = 0;
   std::vector<float> state_;
+  bool bf16_state_ = false;
+  int64_t ssm_per_layer_ = 0;
+  std::vector<uint16_t> ssm_bf16_;
+  std::vector<float> ssm_scratch_;  // per pool share, one layer's ssm (bf16 state only)
   std::vector<uint64_t> counter_;
   std::vector<int32_t> last_sampled_;  // -1: nothing sampled since reset
   std::vector<SamplingParams> params_;
@@ -202,32 +213,37 @@ CpuEngine::CpuEngine(const ModelWeights& weights, const EngineOptions& options)
     }
   }
 
+  bf16_state_ = options.state_dtype == StateDType::BF16;
+  ssm_per_layer_ = int64_t{H} * P * N;
   angle_off_ = 0;
   ssm_off_ = angle_off_ + int64_t{H} * dims_.S;
-  k_prev_off_ = ssm_off_ + int64_t{H} * P * N;
+  k_prev_off_ = ssm_off_ + (bf16_state_ ? 0 : ssm_per_layer_);
   x_prev_off_ = k_prev_off_ + int64_t{R} * H * N;
   state_per_layer_ = x_prev_off_ + int64_t{H} * P;
   const size_t slots = static_cast<size_t>(max_slots_);
   // Below 16 GiB a sequence (ModelConfig::validate): slots x that fits in 64 bits.
   const size_t per_sequence = static_cast<size_t>(c.n_layer * state_per_layer_);
   const size_t state_floats = slots * per_sequence;
+  const size_t per_sequence_bytes =
+      4 * per_sequence + (bf16_state_ ? 2 * static_cast<size_t>(c.n_layer * ssm_per_layer_) : 0);
   auto state_too_large = [&](const std::string& why) {
     return std::runtime_error("cpu engine: " + weights.dir().string() + ": the recurrent state of " +
                               std::to_string(max_slots_) + " slots needs " +
-                              gib(4.0 * static_cast<double>(state_floats)) + " (" +
-                              gib(4.0 * static_cast<double>(per_sequence)) + " a sequence), " + why +
+                              gib(static_cast<double>(per_sequence_bytes) * static_cast<double>(slots)) +
+                              " (" + gib(static_cast<double>(per_sequence_bytes)) + " a sequence), " + why +
                               "; lower max_batch");
   };
   // More than the machine has would be touched into the OOM killer, not refused by malloc.
   const long pages = sysconf(_SC_PHYS_PAGES), page_size = sysconf(_SC_PAGESIZE);
   if (pages > 0 && page_size > 0) {
     const size_t memory = static_cast<size_t>(pages) * static_cast<size_t>(page_size);
-    if (per_sequence > memory / 4 / slots) {
+    if (per_sequence_bytes > memory / slots) {
       throw state_too_large("more than this machine's " + gib(static_cast<double>(memory)) + " of memory");
     }
   }
   try {
     state_.assign(state_floats, 0.0f);
+    if (bf16_state_) ssm_bf16_.assign(slots * static_cast<size_t>(c.n_layer * ssm_per_layer_), 0);
   } catch (const std::bad_alloc&) {
     throw state_too_large("more than this process can allocate");
   }
@@ -258,6 +274,7 @@ CpuEngine::CpuEngine(const ModelWeights& weights, const EngineOptions& options)
   logits_.resize(slots * static_cast<size_t>(V_));
   head_scratch_floats_ = cpu::mixer_head_scratch_floats(dims_);
   head_scratch_.resize(static_cast<size_t>(pool_.threads()) * head_scratch_floats_);
+  if (bf16_state_) ssm_scratch_.resize(static_cast<size_t>(pool_.threads() * ssm_per_layer_));
   sampling_scratch_.reserve(slots);
   for (size_t i = 0; i < slots; ++i) sampling_scratch_.emplace_back(c.vocab_size);
   inputs_.resize(slots);
@@ -275,6 +292,10 @@ void CpuEngine::reset(int slot) {
   check_slot(slot, "reset");
   const int64_t per_slot = config_.n_layer * state_per_layer_;
   std::fill_n(state_.begin() + slot * per_slot, per_slot, 0.0f);
+  if (bf16_state_) {
+    const int64_t ssm_per_slot = config_.n_layer * ssm_per_layer_;
+    std::fill_n(ssm_bf16_.begin() + slot * ssm_per_slot, ssm_per_slot, uint16_t{0});
+  }
   counter_[static_cast<size_t>(slot)] = 0;
   last_sampled_[static_cast<size_t>(slot)] = -1;
   frame_position_[static_cast<size_t>(slot)] = 0;
@@ -388,6 +409,21 @@ cpu::MixerState CpuEngine::slot_state(int slot, int layer) {
   return {base + angle_off_, base + ssm_off_, base + k_prev_off_, base + x_prev_off_};
 }
 
+void CpuEngine::mixer_head_step_bf16(const cpu::MixerParams& params, int b, int h, int slot,
+                                     int layer, float* scratch, float* ssm_scratch) {
+  const int RN = dims_.R * dims_.N;
+  const int64_t head = int64_t{dims_.P} * dims_.N;
+  uint16_t* stored = ssm_bf16_.data() + (int64_t{slot} * config_.n_layer + layer) * ssm_per_layer_ + h * head;
+  float* wide = ssm_scratch + h * head;
+  for (int64_t i = 0; i < head; ++i) wide[i] = bf16_to_f32(stored[i]);
+  cpu::MixerState state = slot_state(slot, layer);
+  state.ssm = ssm_scratch;
+  cpu::mixer_head_step(dims_, params, in_offsets_, in_out_.data() + int64_t{b} * in_rows_,
+                       B_normed_.data() + int64_t{b} * RN, C_normed_.data() + int64_t{b} * RN, h,
+                       state, scratch, mixer_out_.data() + int64_t{b} * d_inner_);
+  for (int64_t i = 0; i < head; ++i) stored[i] = f32_to_bf16(wide[i]);
+}
+
 void CpuEngine::matvec(const std::vector<float>& W, int in, int out, const float* x, int batch,
                        float* y) {
   const float* w = W.data();
@@ -427,6 +463,11 @@ void CpuEngine::run_layer(int layer, int batch, std::span<const int32_t> slots) 
     float* scratch = head_scratch_.data() + int64_t{share} * head_scratch_floats_;
     for (int64_t item = begin; item < end; ++item) {
       const int b = static_cast<int>(item / H), h = static_cast<int>(item % H);
+      if (bf16_state_) {
+        mixer_head_step_bf16(params, b, h, slots[static_cast<size_t>(b)], layer, scratch,
+                             ssm_scratch_.data() + int64_t{share} * ssm_per_layer_);
+        continue;
+      }
       cpu::MixerState state = slot_state(slots[static_cast<size_t>(b)], layer);
       cpu::mixer_head_step(dims_, params, in_offsets_, in_out_.data() + int64_t{b} * in_rows_,
                            B_normed_.data() + int64_t{b} * RN, C_normed_.data() + int64_t{b} * RN,
@@ -513,6 +554,10 @@ CpuSlotSnapshot CpuEngine::snapshot(int slot) const {
   const int64_t per_slot = config_.n_layer * state_per_layer_;
   CpuSlotSnapshot out;
   out.state.assign(state_.begin() + slot * per_slot, state_.begin() + (slot + 1) * per_slot);
+  if (bf16_state_) {  // + the ssm state, widened
+    const int64_t ssm_per_slot = config_.n_layer * ssm_per_layer_;
+    for (int64_t i = slot * ssm_per_slot; i < (slot + 1) * ssm_per_slot; ++i) out.state.push_back(bf16_to_f32(ssm_bf16_[i]));
+  }
   out.counter = counter_[static_cast<size_t>(slot)];
   out.next_input = last_sampled_[static_cast<size_t>(slot)];
   return out;
@@ -569,6 +614,13 @@ void CpuEngine::prefill_layer(int layer, int rows) {
     for (int64_t item = begin; item < end; ++item) {
       const PrefillSegment& seg = prefill_segments_[static_cast<size_t>(item / H)];
       const int h = static_cast<int>(item % H);
+      if (bf16_state_) {  // stored after every token, as the step stores it
+        for (int64_t b = seg.row; b < seg.row + seg.count; ++b) {
+          mixer_head_step_bf16(params, static_cast<int>(b), h, seg.slot, layer, scratch,
+                               ssm_scratch_.data() + int64_t{share} * ssm_per_layer_);
+        }
+        continue;
+      }
       cpu::MixerState state = slot_state(seg.slot, layer);
       for (int64_t b = seg.row; b < seg.row + seg.count; ++b) {
         cpu::mixer_head_step(dims_, params, in_offsets_, in_out_.data() + b * in_rows_,

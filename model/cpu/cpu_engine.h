@@ -20,7 +20,7 @@ std::unique_ptr<Engine> make_cpu_engine(const ModelWeights& weights, const Engin
 // reaching it: every layer's recurrent state (angles, ssm, k_prev, x_prev), the
 // random-draw counter and the token kContinueToken would feed (-1: none since reset).
 struct CpuSlotSnapshot {
-  std::vector<float> state;
+  std::vector<float> state;  // with bf16 state: the fp32 part, then the ssm part widened
   uint64_t counter = 0;
   int32_t next_input = -1;
 };

@@ -1,5 +1,5 @@
-// m3check MODEL_DIR TRAJECTORY [--backend cpu|cuda|auto] [--dtype fp32|bf16] [--one-at-a-time]
-//         [--prefill] [--cuda-... VALUE ...]
+// m3check MODEL_DIR TRAJECTORY [--backend cpu|cuda|auto] [--dtype fp32|bf16]
+//         [--state-dtype fp32|bf16] [--one-at-a-time] [--prefill] [--cuda-... VALUE ...]
 //
 // The --cuda-... flags set the CUDA engine's policy (model/cuda_policy.h) as m3serve's do,
 // so a variant of the step can be checked against the trajectory.
@@ -18,8 +18,9 @@
 // Tolerance: fp32 arithmetic 1e-4 (either backend; 1e-3 for the CUDA backend with
 // --prefill); bf16 weights 3e-2, whether the CUDA
 // engine rounds them (--dtype bf16) or the model stores them in 16 bits (BF16 or F16: the
-// CPU engine widens them exactly, but they are already rounded). With fp32 a greedy
-// mismatch fails. With bf16 weights a mismatch is tolerated only at a near tie: where
+// CPU engine widens them exactly, but they are already rounded); bf16 state (the ssm state
+// stored in bf16, updated in fp32: --state-dtype bf16) 3e-2 too. With fp32 a greedy
+// mismatch fails. With bf16 weights or state a mismatch is tolerated only at a near tie: where
 // the reference logit of the id the engine picked is within 2 * that step's absolute
 // logit error of the reference maximum, the rounded weights may legitimately reorder
 // the top two; any other mismatch fails. greedy_match still reports "no" then.
@@ -56,6 +57,7 @@ struct UsageError : std::runtime_error {
 struct Options {
   std::string model_dir, trajectory, backend = "cpu";
   m3::WeightDType dtype = m3::WeightDType::F32;
+  m3::StateDType state_dtype = m3::StateDType::F32;
   bool one_at_a_time = false;
   m3::CudaPolicy cuda;
   bool prefill = false;  // read the prompts through Engine::prefill()
@@ -63,8 +65,8 @@ struct Options {
 };
 
 std::string usage() {
-  return "usage: m3check MODEL_DIR TRAJECTORY [--backend cpu|cuda|auto] [--dtype fp32|bf16] [--one-at-a-time]\n"
-         "               [--prefill] [--cuda-... VALUE ...]\n"
+  return "usage: m3check MODEL_DIR TRAJECTORY [--backend cpu|cuda|auto] [--dtype fp32|bf16]\n"
+         "               [--state-dtype fp32|bf16] [--one-at-a-time] [--prefill] [--cuda-... VALUE ...]\n"
          "  TRAJECTORY: safetensors with prompt_ids I64 [B,Lp], logits F32 [B,Lp+Ln-1,V],\n"
          "  greedy_ids I64 [B,Lp+Ln]. --one-at-a-time: each sequence decodes alone (batch 1)\n"
          "  instead of all B side by side. --prefill: the prompts are read by prefill(), the logits\n"
@@ -92,6 +94,11 @@ Options parse_args(int argc, char** argv) {
       const std::string d = value();
       if (!m3::parse_weight_dtype(d, &o.dtype)) {
         throw UsageError("--dtype must be fp32 or bf16, got \"" + d + "\"");
+      }
+    } else if (arg == "--state-dtype") {
+      const std::string d = value();
+      if (!m3::parse_state_dtype(d, &o.state_dtype)) {
+        throw UsageError("--state-dtype must be fp32 or bf16, got \"" + d + "\"");
       }
     } else if (arg == "--one-at-a-time") {
       o.one_at_a_time = true;
@@ -329,6 +336,7 @@ int main(int argc, char** argv) {
     eo.weight_dtype = opt.dtype;
     eo.cuda = opt.cuda;
     eo.max_prefill_tokens = std::max(eo.max_prefill_tokens, tr.B * tr.Lp);  // all prompts in one call
+    eo.state_dtype = opt.state_dtype;
     engine = m3::make_engine(opt.backend, weights, eo);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "m3check: %s\n", e.what());
@@ -338,8 +346,10 @@ int main(int argc, char** argv) {
   // The CPU engine always computes with fp32 weights, whatever --dtype says.
   const bool cuda = engine->backend() == "cuda";
   const bool bf16 = (cuda && opt.dtype == m3::WeightDType::BF16) || stored_16bit;
+  const bool bf16_state = opt.state_dtype == m3::StateDType::BF16;
+  const bool rounded = bf16 || bf16_state;
   // A chunked prefill on the GPU sums in another order than the step: fp32 within 1e-3.
-  const double tolerance = bf16 ? 3e-2 : (cuda && opt.prefill ? 1e-3 : 1e-4);
+  const double tolerance = rounded ? 3e-2 : (cuda && opt.prefill ? 1e-3 : 1e-4);
   if (!cuda && opt.dtype == m3::WeightDType::BF16) {
     std::fprintf(stderr, "m3check: the cpu backend computes in fp32; --dtype bf16 ignored\n");
   }
@@ -352,14 +362,14 @@ int main(int argc, char** argv) {
     return kExitInput;
   }
   std::fprintf(stderr,
-               "m3check: backend %s, weights %s, %d sequences x %d steps%s%s, tolerance %.0e, "
+               "m3check: backend %s, weights %s, state %s, %d sequences x %d steps%s%s, tolerance %.0e, "
                "worst step %d of sequence %d\n",
                std::string(engine->backend()).c_str(), stored_16bit ? "stored in 16 bits" : bf16 ? "bf16" : "fp32",
-               tr.B, tr.T, opt.one_at_a_time ? " (one at a time)" : "",
+               bf16_state ? "bf16" : "fp32", tr.B, tr.T, opt.one_at_a_time ? " (one at a time)" : "",
                opt.prefill ? " (prompts through prefill)" : "", tolerance, res.worst_step, res.worst_sequence);
   std::printf("max_rel_err=%.3e greedy_match=%s\n", res.max_rel_err, res.greedy_match ? "yes" : "no");
   std::fflush(stdout);
-  const bool greedy_ok = res.greedy_match || (bf16 && !res.mismatch_outside_tie);
+  const bool greedy_ok = res.greedy_match || (rounded && !res.mismatch_outside_tie);
   const bool ok = res.max_rel_err <= tolerance && greedy_ok;  // NaN err fails
   return ok ? 0 : kExitTolerance;
 }

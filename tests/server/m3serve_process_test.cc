@@ -94,7 +94,7 @@ std::pair<int, std::string> run_to_exit(const std::vector<std::string>& args, co
 TEST(M3serveProcessTest, BadFlagExitsTwoWithAMessage) {
   Process p = spawn_m3serve({"--max-batch", "0"}, "m3serve-badflag");
   EXPECT_EQ(exit_status(p.pid), 2);
-  EXPECT_EQ(read_all(p.log), "m3serve: max_batch must be between 1 and 1024, got 0\n");
+  EXPECT_EQ(read_all(p.log), "m3serve: --max-batch: expected auto or a positive integer, got '0'\n");
   std::filesystem::remove(p.log);
 }
 

@@ -48,9 +48,9 @@ TEST(ServerConfigTest, BadFilesAreRefusedWithTheirReason) {
   EXPECT_EQ(error_of([] { from_yaml("max_bach: 4\n"); }).substr(0, 36),
             "server.yaml: unknown key 'max_bach' ");
   EXPECT_EQ(error_of([] { from_yaml("max_batch: eight\n"); }),
-            "server.yaml: key 'max_batch': expected an integer, got 'eight'");
+            "server.yaml: key 'max_batch': expected auto or a positive integer, got 'eight'");
   EXPECT_EQ(error_of([] { from_yaml("max_batch: 4.5\n"); }),
-            "server.yaml: key 'max_batch': expected an integer, got '4.5'");
+            "server.yaml: key 'max_batch': expected auto or a positive integer, got '4.5'");
   EXPECT_EQ(error_of([] { from_yaml("cuda_graphs: maybe\n"); }),
             "server.yaml: key 'cuda_graphs': expected true or false, got 'maybe'");
   EXPECT_EQ(error_of([] { from_yaml("shutdown_grace_s: soon\n"); }),
@@ -88,7 +88,12 @@ TEST(ServerConfigTest, AmbiguousFilesAreRefused) {
 
 TEST(ServerConfigTest, OutOfRangeValuesAreRefused) {
   EXPECT_EQ(error_of([] { from_yaml("max_batch: 0\n"); }),
-            "max_batch must be between 1 and 1024, got 0");
+            "server.yaml: key 'max_batch': expected auto or a positive integer, got '0'");
+  EXPECT_EQ(error_of([] { from_yaml("max_batch: 4097\n"); }),
+            "max_batch must be auto or between 1 and 4096, got 4097");
+  EXPECT_EQ(from_yaml("max_batch: 4096\n").max_batch, 4096);
+  EXPECT_EQ(error_of([] { from_yaml("state_dtype: fp16\n"); }),
+            "state_dtype must be one of fp32, bf16, got 'fp16'");
   EXPECT_EQ(error_of([] { from_yaml("queue_capacity: -1\n"); }),
             "queue_capacity must be between 0 and 1000000, got -1");
   EXPECT_EQ(error_of([] { from_yaml("max_new_tokens_limit: 0\n"); }),
@@ -134,6 +139,28 @@ TEST(ServerConfigTest, PrefillChunkTokens) {
             "prefill_chunk_tokens must be between 0 and 65536, got 65537");
 }
 
+// max_batch auto (the default) is kept as 0 and resolved by the server once the engine's
+// backend is known; state_dtype fp32 is the default.
+TEST(ServerConfigTest, MaxBatchAutoAndStateDtype) {
+  EXPECT_EQ(ServerConfig{}.max_batch, 0);
+  EXPECT_EQ(ServerConfig{}.state_dtype, "fp32");
+  EXPECT_EQ(from_yaml("max_batch: auto\n").max_batch, 0);
+  const ServerConfig c = from_yaml("max_batch: 3\nstate_dtype: bf16\n");
+  EXPECT_EQ(c.max_batch, 3);
+  EXPECT_EQ(c.state_dtype, "bf16");
+  const CommandLine cmd = parse_command_line({"--max-batch", "auto", "--state-dtype", "bf16"}, "");
+  EXPECT_EQ(cmd.config.max_batch, 0);
+  EXPECT_EQ(cmd.config.state_dtype, "bf16");
+  EXPECT_EQ(error_of([] { parse_command_line({"--max-batch", "-4"}, ""); }),
+            "--max-batch: expected auto or a positive integer, got '-4'");
+  EXPECT_EQ(error_of([] { parse_command_line({"--max-batch=Auto"}, ""); }),
+            "--max-batch: expected auto or a positive integer, got 'Auto'");
+  // The shipped file asks for the defaults.
+  const ServerConfig shipped = load_server_config_file(M3_TEST_SERVER_YAML);
+  EXPECT_EQ(shipped.max_batch, 0);
+  EXPECT_EQ(shipped.state_dtype, "fp32");
+}
+
 TEST(ServerConfigTest, FlagsOverrideTheFile) {
   const auto path = std::filesystem::temp_directory_path() / "m3serve-config-test.yaml";
   std::ofstream(path) << "max_batch: 3\nbackend: cpu\nlisten: 127.0.0.1:1\ndeterministic: true\n";
@@ -151,7 +178,7 @@ TEST(ServerConfigTest, BadFlagsAreRefused) {
             "unknown flag '--max-bach' (see --help)");
   EXPECT_EQ(error_of([] { parse_command_line({"--max-batch"}, ""); }), "--max-batch needs a value");
   EXPECT_EQ(error_of([] { parse_command_line({"--max-batch", "x"}, ""); }),
-            "--max-batch: expected an integer, got 'x'");
+            "--max-batch: expected auto or a positive integer, got 'x'");
   EXPECT_EQ(error_of([] { parse_command_line({"--backend", "tpu"}, ""); }),
             "backend must be one of auto, cuda, cpu, got 'tpu'");
   EXPECT_EQ(error_of([] { parse_command_line({"--config"}, ""); }), "--config needs a file argument");
