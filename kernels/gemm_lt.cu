@@ -1,6 +1,7 @@
 #include "kernels/gemm_lt.cuh"
 
 #include <cublasLt.h>
+#include <dlfcn.h>
 
 #include <cstdint>
 #include <stdexcept>
@@ -11,6 +12,58 @@
 
 namespace m3::kernels {
 namespace {
+
+// cuBLASLt is opened at run time, when the first GEMM context is made, not linked: its 94 KB
+// of static thread-local storage, taken from every thread's stack when the library is
+// linked, left civetweb's small worker stacks (the /metrics exposer) too small to start.
+// A library opened with dlopen gets its thread-local storage allocated apart.
+struct LtApi {
+  decltype(&::cublasLtCreate) cublasLtCreate = nullptr;
+  decltype(&::cublasLtDestroy) cublasLtDestroy = nullptr;
+  decltype(&::cublasLtMatmul) cublasLtMatmul = nullptr;
+  decltype(&::cublasLtMatmulAlgoGetHeuristic) cublasLtMatmulAlgoGetHeuristic = nullptr;
+  decltype(&::cublasLtMatmulDescCreate) cublasLtMatmulDescCreate = nullptr;
+  decltype(&::cublasLtMatmulDescDestroy) cublasLtMatmulDescDestroy = nullptr;
+  decltype(&::cublasLtMatmulDescSetAttribute) cublasLtMatmulDescSetAttribute = nullptr;
+  decltype(&::cublasLtMatmulPreferenceCreate) cublasLtMatmulPreferenceCreate = nullptr;
+  decltype(&::cublasLtMatmulPreferenceDestroy) cublasLtMatmulPreferenceDestroy = nullptr;
+  decltype(&::cublasLtMatmulPreferenceSetAttribute) cublasLtMatmulPreferenceSetAttribute = nullptr;
+  decltype(&::cublasLtMatrixLayoutCreate) cublasLtMatrixLayoutCreate = nullptr;
+  decltype(&::cublasLtMatrixLayoutDestroy) cublasLtMatrixLayoutDestroy = nullptr;
+};
+
+LtApi load_lt_api() {
+  void* lib = dlopen("libcublasLt.so.13", RTLD_NOW | RTLD_LOCAL);
+  if (lib == nullptr) {
+    const char* why = dlerror();
+    throw std::runtime_error(std::string("prefill GEMM: cannot open libcublasLt.so.13 (CUDA 13's cuBLASLt): ") +
+                             (why != nullptr ? why : "unknown error"));
+  }
+  auto symbol = [lib](const char* name) {
+    void* f = dlsym(lib, name);
+    if (f == nullptr) throw std::runtime_error(std::string("prefill GEMM: libcublasLt.so.13 has no ") + name);
+    return f;
+  };
+  LtApi api;
+  api.cublasLtCreate = reinterpret_cast<decltype(&::cublasLtCreate)>(symbol("cublasLtCreate"));
+  api.cublasLtDestroy = reinterpret_cast<decltype(&::cublasLtDestroy)>(symbol("cublasLtDestroy"));
+  api.cublasLtMatmul = reinterpret_cast<decltype(&::cublasLtMatmul)>(symbol("cublasLtMatmul"));
+  api.cublasLtMatmulAlgoGetHeuristic = reinterpret_cast<decltype(&::cublasLtMatmulAlgoGetHeuristic)>(symbol("cublasLtMatmulAlgoGetHeuristic"));
+  api.cublasLtMatmulDescCreate = reinterpret_cast<decltype(&::cublasLtMatmulDescCreate)>(symbol("cublasLtMatmulDescCreate"));
+  api.cublasLtMatmulDescDestroy = reinterpret_cast<decltype(&::cublasLtMatmulDescDestroy)>(symbol("cublasLtMatmulDescDestroy"));
+  api.cublasLtMatmulDescSetAttribute = reinterpret_cast<decltype(&::cublasLtMatmulDescSetAttribute)>(symbol("cublasLtMatmulDescSetAttribute"));
+  api.cublasLtMatmulPreferenceCreate = reinterpret_cast<decltype(&::cublasLtMatmulPreferenceCreate)>(symbol("cublasLtMatmulPreferenceCreate"));
+  api.cublasLtMatmulPreferenceDestroy = reinterpret_cast<decltype(&::cublasLtMatmulPreferenceDestroy)>(symbol("cublasLtMatmulPreferenceDestroy"));
+  api.cublasLtMatmulPreferenceSetAttribute = reinterpret_cast<decltype(&::cublasLtMatmulPreferenceSetAttribute)>(symbol("cublasLtMatmulPreferenceSetAttribute"));
+  api.cublasLtMatrixLayoutCreate = reinterpret_cast<decltype(&::cublasLtMatrixLayoutCreate)>(symbol("cublasLtMatrixLayoutCreate"));
+  api.cublasLtMatrixLayoutDestroy = reinterpret_cast<decltype(&::cublasLtMatrixLayoutDestroy)>(symbol("cublasLtMatrixLayoutDestroy"));
+  return api;  // the library stays open for the process's life, as a linked one would
+}
+
+const LtApi& lt_api() {
+  static const LtApi api = load_lt_api();
+  return api;
+}
 
 void check_lt(cublasStatus_t status, const char* what, const std::string& context) {
   if (status != CUBLAS_STATUS_SUCCESS) {
@@ -35,18 +88,18 @@ int lt_gemm_padded_rows(int rows) {
 
 LtContext::LtContext() {
   cublasLtHandle_t h = nullptr;
-  check_lt(cublasLtCreate(&h), "cublasLtCreate", "prefill GEMM context");
+  check_lt(lt_api().cublasLtCreate(&h), "cublasLtCreate", "prefill GEMM context");
   handle_ = h;
   const cudaError_t err = cudaMalloc(&workspace_, kWorkspaceBytes);
   if (err != cudaSuccess) {
-    cublasLtDestroy(h);
+    lt_api().cublasLtDestroy(h);
     check_cuda(err, "cudaMalloc(cuBLASLt workspace)", __FILE__, __LINE__);
   }
 }
 
 LtContext::~LtContext() {
   if (workspace_ != nullptr) cudaFree(workspace_);
-  if (handle_ != nullptr) cublasLtDestroy(static_cast<cublasLtHandle_t>(handle_));
+  if (handle_ != nullptr) lt_api().cublasLtDestroy(static_cast<cublasLtHandle_t>(handle_));
 }
 
 struct LtGemm::Plan {
@@ -63,11 +116,11 @@ struct LtGemm::Plan {
   std::vector<Bucket> buckets;  // ascending rows
   ~Plan() {
     for (Bucket& b : buckets) {
-      if (b.x != nullptr) cublasLtMatrixLayoutDestroy(b.x);
-      if (b.y != nullptr) cublasLtMatrixLayoutDestroy(b.y);
+      if (b.x != nullptr) lt_api().cublasLtMatrixLayoutDestroy(b.x);
+      if (b.y != nullptr) lt_api().cublasLtMatrixLayoutDestroy(b.y);
     }
-    if (w != nullptr) cublasLtMatrixLayoutDestroy(w);
-    if (desc != nullptr) cublasLtMatmulDescDestroy(desc);
+    if (w != nullptr) lt_api().cublasLtMatrixLayoutDestroy(w);
+    if (desc != nullptr) lt_api().cublasLtMatmulDescDestroy(desc);
   }
 };
 
@@ -83,22 +136,22 @@ LtGemm::LtGemm(const LtContext& context, const LtGemmShape& s) : plan_(std::make
   p.handle = static_cast<cublasLtHandle_t>(context.handle());
   p.workspace = context.workspace();
   const cudaDataType_t wt = s.type == WeightDType::BF16 ? CUDA_R_16BF : CUDA_R_32F;
-  check_lt(cublasLtMatmulDescCreate(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F), "MatmulDescCreate", what);
+  check_lt(lt_api().cublasLtMatmulDescCreate(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F), "MatmulDescCreate", what);
   // Column-major view: y^T [out, rows] = W^T^T [in, out]^T . x^T [in, rows].
   const cublasOperation_t trans = CUBLAS_OP_T, no_trans = CUBLAS_OP_N;
-  check_lt(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, &trans, sizeof(trans)), "TRANSA", what);
-  check_lt(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, &no_trans, sizeof(no_trans)), "TRANSB",
+  check_lt(lt_api().cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, &trans, sizeof(trans)), "TRANSA", what);
+  check_lt(lt_api().cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, &no_trans, sizeof(no_trans)), "TRANSB",
            what);
-  check_lt(cublasLtMatrixLayoutCreate(&p.w, wt, s.in_features, s.out_features, s.in_features), "layout W", what);
+  check_lt(lt_api().cublasLtMatrixLayoutCreate(&p.w, wt, s.in_features, s.out_features, s.in_features), "layout W", what);
 
   cublasLtMatmulPreference_t pref = nullptr;
-  check_lt(cublasLtMatmulPreferenceCreate(&pref), "PreferenceCreate", what);
+  check_lt(lt_api().cublasLtMatmulPreferenceCreate(&pref), "PreferenceCreate", what);
   const uint64_t ws_bytes = LtContext::kWorkspaceBytes;
   const uint32_t align = 16;
-  cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_bytes, sizeof(ws_bytes));
+  lt_api().cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_bytes, sizeof(ws_bytes));
   for (auto attr : {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
                     CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES}) {
-    cublasLtMatmulPreferenceSetAttribute(pref, attr, &align, sizeof(align));
+    lt_api().cublasLtMatmulPreferenceSetAttribute(pref, attr, &align, sizeof(align));
   }
   try {
     for (int rows = lt_gemm_padded_rows(1);; rows = lt_gemm_padded_rows(rows + 1)) {
@@ -106,11 +159,11 @@ LtGemm::LtGemm(const LtContext& context, const LtGemmShape& s) : plan_(std::make
       b.rows = rows;
       p.buckets.push_back(b);
       Plan::Bucket& nb = p.buckets.back();
-      check_lt(cublasLtMatrixLayoutCreate(&nb.x, wt, s.in_features, rows, s.x_stride), "layout x", what);
-      check_lt(cublasLtMatrixLayoutCreate(&nb.y, CUDA_R_32F, s.out_features, rows, s.y_stride), "layout y", what);
+      check_lt(lt_api().cublasLtMatrixLayoutCreate(&nb.x, wt, s.in_features, rows, s.x_stride), "layout x", what);
+      check_lt(lt_api().cublasLtMatrixLayoutCreate(&nb.y, CUDA_R_32F, s.out_features, rows, s.y_stride), "layout y", what);
       cublasLtMatmulHeuristicResult_t result{};
       int found = 0;
-      check_lt(cublasLtMatmulAlgoGetHeuristic(p.handle, p.desc, p.w, nb.x, nb.y, nb.y, pref, 1, &result, &found),
+      check_lt(lt_api().cublasLtMatmulAlgoGetHeuristic(p.handle, p.desc, p.w, nb.x, nb.y, nb.y, pref, 1, &result, &found),
                "AlgoGetHeuristic", what + " at " + std::to_string(rows) + " rows");
       if (found == 0) {
         throw std::runtime_error("cuBLASLt has no algorithm for " + what + " at " + std::to_string(rows) + " rows");
@@ -119,10 +172,10 @@ LtGemm::LtGemm(const LtContext& context, const LtGemmShape& s) : plan_(std::make
       if (rows >= s.max_rows) break;
     }
   } catch (...) {
-    cublasLtMatmulPreferenceDestroy(pref);
+    lt_api().cublasLtMatmulPreferenceDestroy(pref);
     throw;
   }
-  cublasLtMatmulPreferenceDestroy(pref);
+  lt_api().cublasLtMatmulPreferenceDestroy(pref);
 }
 
 LtGemm::~LtGemm() = default;
@@ -144,7 +197,7 @@ void LtGemm::run(const void* weight, const void* x, float* y, int rows, cudaStre
   while (p.buckets[i].rows < padded) ++i;  // the last bucket covers max_rows
   const Plan::Bucket& b = p.buckets[i];
   const float alpha = 1.f, beta = p.shape.accumulate ? 1.f : 0.f;
-  check_lt(cublasLtMatmul(p.handle, p.desc, &alpha, weight, p.w, x, b.x, &beta, y, b.y, y, b.y, &b.algo, p.workspace,
+  check_lt(lt_api().cublasLtMatmul(p.handle, p.desc, &alpha, weight, p.w, x, b.x, &beta, y, b.y, y, b.y, &b.algo, p.workspace,
                           LtContext::kWorkspaceBytes, stream),
            "Matmul", describe(p.shape));
 }
