@@ -136,6 +136,25 @@ void record_request_end(ServiceContext& ctx, const RequestRecord& record) {
   }
 }
 
+// A unary call without a valid API key: recorded (log line, counter) as UNAUTHENTICATED and
+// finished; false when the call may go on.
+static bool refused_without_key(ServiceContext& ctx, grpc::CallbackServerContext* call, grpc::ServerUnaryReactor* reactor,
+                                std::string_view method, const char* id_prefix) {
+  const std::string why = unauthenticated_reason(ctx, *call, method);
+  if (why.empty()) return false;
+  const std::string id = ctx.make_request_id(id_prefix);
+  RequestRecord record;
+  record.method = method;
+  record.request_id = id;
+  record.status = StreamStatus::kUnauthenticated;
+  record.message = why;
+  const std::string peer = call->peer();
+  record.peer = peer;
+  record_request_end(ctx, record);
+  reactor->Finish(to_grpc_status(StreamStatus::kUnauthenticated, why));
+  return true;
+}
+
 grpc::ServerWriteReactor<grpc::ByteBuffer>* M3ServeService::Generate(grpc::CallbackServerContext* call,
                                                                      const grpc::ByteBuffer* request) {
   return new GenerateReactor(context_, call, request);
@@ -149,19 +168,7 @@ grpc::ServerUnaryReactor* M3ServeService::GetModelInfo(grpc::CallbackServerConte
                                                        const v1::GetModelInfoRequest*,
                                                        v1::ModelInfo* response) {
   auto* reactor = call->DefaultReactor();
-  if (std::string why = unauthenticated_reason(context_, *call, "GetModelInfo"); !why.empty()) {
-    const std::string id = context_.make_request_id("info-");
-    RequestRecord record;
-    record.method = "GetModelInfo";
-    record.request_id = id;
-    record.status = StreamStatus::kUnauthenticated;
-    record.message = why;
-    const std::string peer = call->peer();
-    record.peer = peer;
-    record_request_end(context_, record);
-    reactor->Finish(to_grpc_status(StreamStatus::kUnauthenticated, why));
-    return reactor;
-  }
+  if (refused_without_key(context_, call, reactor, "GetModelInfo", "info-")) return reactor;
   *response = context_.model_info;
   reactor->Finish(grpc::Status::OK);
   return reactor;
@@ -171,6 +178,7 @@ grpc::ServerUnaryReactor* M3ServeService::CreateSnapshot(grpc::CallbackServerCon
                                                          const v1::CreateSnapshotRequest* request,
                                                          v1::SnapshotInfo* response) {
   auto* reactor = call->DefaultReactor();
+  if (refused_without_key(context_, call, reactor, "CreateSnapshot", "snap-")) return reactor;
   create_snapshot(context_, call, request, response, reactor);
   return reactor;
 }
@@ -178,6 +186,7 @@ grpc::ServerUnaryReactor* M3ServeService::CreateSnapshot(grpc::CallbackServerCon
 grpc::ServerUnaryReactor* M3ServeService::GetSnapshot(grpc::CallbackServerContext* call, const v1::SnapshotRef* request,
                                                       v1::SnapshotInfo* response) {
   auto* reactor = call->DefaultReactor();
+  if (refused_without_key(context_, call, reactor, "GetSnapshot", "snap-")) return reactor;
   get_snapshot(context_, request, response, reactor);
   return reactor;
 }
@@ -185,6 +194,7 @@ grpc::ServerUnaryReactor* M3ServeService::GetSnapshot(grpc::CallbackServerContex
 grpc::ServerUnaryReactor* M3ServeService::DeleteSnapshot(grpc::CallbackServerContext* call,
                                                          const v1::SnapshotRef* request, v1::SnapshotInfo* response) {
   auto* reactor = call->DefaultReactor();
+  if (refused_without_key(context_, call, reactor, "DeleteSnapshot", "snap-")) return reactor;
   delete_snapshot(context_, request, response, reactor);
   return reactor;
 }

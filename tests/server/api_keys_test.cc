@@ -195,6 +195,41 @@ TEST(ApiKeyServerTest, NoKeyAndAWrongKeyAreUnauthenticatedAndTheRightKeyServes) 
   EXPECT_EQ(warnings, 5u);  // (rate-limited: 5 a kind in 10 s)
 }
 
+// The snapshot RPCs hold a session's whole context: they need the key as every other does.
+TEST(ApiKeyServerTest, SnapshotCallsNeedTheKey) {
+  KeyedServer keyed("right-key-123\n");
+  TestServer& server = *keyed.server;
+  auto create = [&](const std::optional<std::string>& authorization, v1::SnapshotInfo* info) {
+    grpc::ClientContext ctx;
+    if (authorization) ctx.AddMetadata("authorization", *authorization);
+    v1::CreateSnapshotRequest request;
+    for (int32_t id : kPrompt) request.mutable_prompt_ids()->add_ids(id);
+    return server.stub->CreateSnapshot(&ctx, request, info);
+  };
+  auto by_ref = [&](bool get, const std::optional<std::string>& authorization, const std::string& id) {
+    grpc::ClientContext ctx;
+    if (authorization) ctx.AddMetadata("authorization", *authorization);
+    v1::SnapshotRef ref;
+    ref.set_snapshot_id(id);
+    v1::SnapshotInfo info;
+    return get ? server.stub->GetSnapshot(&ctx, ref, &info) : server.stub->DeleteSnapshot(&ctx, ref, &info);
+  };
+  v1::SnapshotInfo info;
+  EXPECT_EQ(create(std::nullopt, &info).error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  EXPECT_EQ(create("Bearer wrong-key-456", &info).error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  const grpc::Status made = create("Bearer right-key-123", &info);
+  ASSERT_TRUE(made.ok()) << made.error_message();
+  ASSERT_FALSE(info.snapshot_id().empty());
+  for (bool get : {true, false}) {
+    SCOPED_TRACE(get ? "GetSnapshot" : "DeleteSnapshot");
+    EXPECT_EQ(by_ref(get, std::nullopt, info.snapshot_id()).error_code(), grpc::StatusCode::UNAUTHENTICATED);
+    EXPECT_EQ(by_ref(get, "Bearer wrong-key-456", info.snapshot_id()).error_code(), grpc::StatusCode::UNAUTHENTICATED);
+    const grpc::Status keyed_call = by_ref(get, "Bearer right-key-123", info.snapshot_id());
+    EXPECT_TRUE(keyed_call.ok()) << keyed_call.error_message();
+  }
+  EXPECT_TRUE(eventually_true([&] { return keyed.requests("unauthenticated") == 6; })) << keyed.requests("unauthenticated");
+}
+
 // A plain server offers reflection; only a keyed one drops it.
 TEST(ApiKeyServerTest, AServerWithoutKeysStillOffersReflection) {
   TestServer server;
