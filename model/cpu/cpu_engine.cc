@@ -317,8 +317,9 @@ EngineStats CpuEngine::stats() const {
 }
 
 // A slot's bytes: its state floats as the step keeps them ([layer][angle | ssm | k_prev |
-// x_prev]), then the random-draw counter (u64) and the last sampled token (i32, -1: none),
-// then 4 zero bytes, host byte order.
+// x_prev]), then the random-draw counter (u64), the last sampled token (i32, -1: none) and
+// the frame position of the slot's next sample (i32, what constrained sampling's codebook
+// order reads), host byte order.
 size_t CpuEngine::slot_state_bytes() const {
   return sizeof(float) * static_cast<size_t>(config_.n_layer * state_per_layer_) + sizeof(uint64_t) +
          2 * sizeof(int32_t);
@@ -337,7 +338,7 @@ void CpuEngine::save_slot(int slot, std::span<std::byte> out) {
   std::memcpy(p, &counter_[static_cast<size_t>(slot)], sizeof(uint64_t));
   p += sizeof(uint64_t);
   std::memcpy(p, &last_sampled_[static_cast<size_t>(slot)], sizeof(int32_t));
-  std::memset(p + sizeof(int32_t), 0, sizeof(int32_t));
+  std::memcpy(p + sizeof(int32_t), &frame_position_[static_cast<size_t>(slot)], sizeof(int32_t));
 }
 
 void CpuEngine::load_slot(int slot, std::span<const std::byte> in) {
@@ -352,6 +353,12 @@ void CpuEngine::load_slot(int slot, std::span<const std::byte> in) {
   int32_t last;
   std::memcpy(&counter, p, sizeof counter);
   std::memcpy(&last, p + sizeof counter, sizeof last);
+  int32_t frame_position;
+  std::memcpy(&frame_position, p + sizeof counter + sizeof last, sizeof frame_position);
+  if (frame_position < 0) {
+    throw std::invalid_argument("load_slot: the state's frame position " + std::to_string(frame_position) +
+                                " is negative");
+  }
   // A token kContinueToken would feed must be one the embedding has.
   if (last < -1 || last >= config_.vocab_size) {
     throw std::invalid_argument("load_slot: the state's next input token " + std::to_string(last) +
@@ -360,6 +367,7 @@ void CpuEngine::load_slot(int slot, std::span<const std::byte> in) {
   std::memcpy(state_.data() + slot * floats, in.data(), sizeof(float) * floats);
   counter_[static_cast<size_t>(slot)] = counter;
   last_sampled_[static_cast<size_t>(slot)] = last;
+  frame_position_[static_cast<size_t>(slot)] = frame_position;
 }
 
 void CpuEngine::validate_step(std::span<const int32_t> slots, std::span<const int32_t> tokens,

@@ -251,7 +251,7 @@ void CudaEngine::reset(int slot) {
 
 SlotDeviceState CudaEngine::device_slot(int slot) const {
   return {state_.as<float>() + static_cast<size_t>(slot) * slot_state_floats_, counters_.as<uint64_t>() + slot,
-          last_token_.as<int32_t>() + slot};
+          last_token_.as<int32_t>() + slot, frame_positions_.as<int32_t>() + slot};
 }
 
 // Ordered with the steps: the copy waits for those submitted before it (a save returns once

@@ -8,7 +8,8 @@
 
 namespace m3::cuda {
 namespace {
-constexpr size_t kTailBytes = sizeof(uint64_t) + sizeof(int32_t) + 4;
+constexpr size_t kTailBytes = sizeof(uint64_t) + sizeof(int32_t) + 4 + sizeof(int32_t);
+constexpr size_t kFramePositionAt = sizeof(uint64_t) + sizeof(int32_t) + 4;  // within the tail
 }  // namespace
 
 SlotStateCopier::SlotStateCopier(size_t slot_state_floats)
@@ -35,6 +36,8 @@ void SlotStateCopier::save(cudaStream_t step_stream, const SlotDeviceState& slot
   M3_CUDA_CHECK(cudaMemcpyAsync(tail, slot.counter, sizeof(uint64_t), cudaMemcpyDeviceToHost, copy_stream_));
   M3_CUDA_CHECK(cudaMemcpyAsync(tail + sizeof(uint64_t), slot.last_token, sizeof(int32_t), cudaMemcpyDeviceToHost,
                                 copy_stream_));
+  M3_CUDA_CHECK(cudaMemcpyAsync(tail + kFramePositionAt, slot.frame_position, sizeof(int32_t),
+                                cudaMemcpyDeviceToHost, copy_stream_));
   M3_CUDA_CHECK(cudaEventRecord(copied_, copy_stream_));
   M3_CUDA_CHECK(cudaEventSynchronize(copied_));  // also ends a pending load's use of staging_
   load_pending_ = false;
@@ -55,9 +58,12 @@ void SlotStateCopier::check(std::span<const std::byte> in, int vocab_size) const
   std::memcpy(&last, tail + sizeof(uint64_t), sizeof last);
   const auto has_sample = static_cast<uint8_t>(tail[sizeof(uint64_t) + sizeof(int32_t)]);
   const auto parity = static_cast<uint8_t>(tail[sizeof(uint64_t) + sizeof(int32_t) + 1]);
-  if (has_sample > 1 || parity > 1 || last < 0 || last >= vocab_size) {
+  int32_t frame_position = 0;
+  std::memcpy(&frame_position, tail + kFramePositionAt, sizeof frame_position);
+  if (has_sample > 1 || parity > 1 || last < 0 || last >= vocab_size || frame_position < 0) {
     throw std::invalid_argument("load_slot: not a slot state of this engine (token " + std::to_string(last) +
-                                ", flags " + std::to_string(has_sample) + "/" + std::to_string(parity) + ")");
+                                ", flags " + std::to_string(has_sample) + "/" + std::to_string(parity) +
+                                ", frame position " + std::to_string(frame_position) + ")");
   }
 }
 
@@ -78,6 +84,8 @@ SlotHostFlags SlotStateCopier::load(cudaStream_t step_stream, const SlotDeviceSt
   const std::byte* staged_tail = staged + sizeof(float) * state_floats_;
   M3_CUDA_CHECK(cudaMemcpyAsync(slot.counter, staged_tail, sizeof(uint64_t), cudaMemcpyHostToDevice, copy_stream_));
   M3_CUDA_CHECK(cudaMemcpyAsync(slot.last_token, staged_tail + sizeof(uint64_t), sizeof(int32_t),
+                                cudaMemcpyHostToDevice, copy_stream_));
+  M3_CUDA_CHECK(cudaMemcpyAsync(slot.frame_position, staged_tail + kFramePositionAt, sizeof(int32_t),
                                 cudaMemcpyHostToDevice, copy_stream_));
   M3_CUDA_CHECK(cudaEventRecord(copied_, copy_stream_));
   M3_CUDA_CHECK(cudaStreamWaitEvent(step_stream, copied_, 0));

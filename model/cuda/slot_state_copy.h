@@ -7,7 +7,8 @@
 // The bytes (host order): the slot's whole state region as the engine keeps it (both
 // halves of the double-buffered angles and k_prev), the random-draw counter (u64), the
 // last sampled token (i32), whether there is one (u8), the parity that picks the current
-// half (u8), two zero bytes. Loading the parity back keeps the current half current, so
+// half (u8), two zero bytes, the frame position of the slot's next sample (i32, what
+// constrained sampling's codebook order reads). Loading the parity back keeps the current half current, so
 // the bytes go into any slot.
 #pragma once
 
@@ -27,6 +28,7 @@ struct SlotDeviceState {
   float* state = nullptr;  // slot_state_floats floats
   uint64_t* counter = nullptr;
   int32_t* last_token = nullptr;
+  int32_t* frame_position = nullptr;
 };
 struct SlotHostFlags {
   bool has_sample = false;

@@ -4,6 +4,7 @@
 // a control restarting the frame, an input token starting one).
 #include <gtest/gtest.h>
 
+#include <cstring>
 #include <memory>
 #include <span>
 #include <string>
@@ -185,6 +186,39 @@ TEST_F(ConstrainedEngineTest, AnInputTokenStartsAFrameAndAControlRestartsIt) {
   const int32_t input[] = {201};
   engine_->step(slot, input, std::span<int32_t>(&s, 1));
   EXPECT_EQ(layout_.speech_units->codebook_of(s), 2);  // position 0 again: codebook 2
+}
+
+// A slot saved mid-frame carries its frame position: loaded into another slot, it goes on
+// sampling the codebooks in frame order, drawing what the saved slot would have drawn.
+TEST_F(ConstrainedEngineTest, ASavedSlotKeepsItsFramePosition) {
+  SamplingParams p{1.5f, 0, 1.0f, 11};
+  p.mask = mask("units");
+  const int32_t from[] = {0}, into[] = {3};
+  for (int32_t s : {0, 3}) {
+    engine_->reset(s);
+    engine_->set_sampling(s, p);
+  }
+  int32_t sample = -1;
+  const int32_t first[] = {5}, cont[] = {kContinueToken};
+  engine_->step(from, first, std::span<int32_t>(&sample, 1));
+  engine_->step(from, cont, std::span<int32_t>(&sample, 1));  // the next sample is at position 2
+  std::vector<std::byte> bytes(engine_->slot_state_bytes());
+  engine_->save_slot(0, bytes);
+  engine_->load_slot(3, bytes);
+  for (int t = 0; t < 12; ++t) {
+    int32_t a = -1, b = -1;
+    engine_->step(from, cont, std::span<int32_t>(&a, 1));
+    engine_->step(into, cont, std::span<int32_t>(&b, 1));
+    ASSERT_EQ(a, b) << "step " << t;
+    ASSERT_EQ(layout_.speech_units->codebook_of(b), layout_.speech_units->frame_order[static_cast<size_t>((t + 2) % 4)])
+        << "step " << t;
+  }
+  // A negative frame position is not a state this engine wrote.
+  const size_t at = bytes.size() - sizeof(int32_t);
+  const int32_t negative = -3;
+  std::memcpy(bytes.data() + at, &negative, sizeof negative);
+  EXPECT_EQ(test::error_of<std::invalid_argument>([&] { engine_->load_slot(3, bytes); }),
+            "load_slot: the state's frame position -3 is negative");
 }
 
 TEST_F(ConstrainedEngineTest, TextMasksAndGreedy) {
