@@ -213,34 +213,36 @@ void create_snapshot(ServiceContext& ctx, grpc::CallbackServerContext* call, con
   c->start(std::move(params), prompt);
 }
 
-void get_snapshot(ServiceContext& ctx, const v1::SnapshotRef* request, v1::SnapshotInfo* response,
-                  grpc::ServerUnaryReactor* reactor) {
+namespace {
+
+// GetSnapshot and DeleteSnapshot: `op` (SnapshotService::info or remove) on the snapshot
+// service's worker, the answer filled from what it found.
+void answer_by_ref(ServiceContext& ctx, const v1::SnapshotRef* request, v1::SnapshotInfo* response,
+                   grpc::ServerUnaryReactor* reactor,
+                   SnapshotService::Result (SnapshotService::*op)(const std::string&, SnapshotService::Info*)) {
   if (ctx.snapshots == nullptr) {
     reactor->Finish(to_grpc_status(StreamStatus::kUnimplemented, kNoSnapshots));
     return;
   }
   const std::string id = request->snapshot_id();
-  ctx.snapshots->post([&ctx, id, response, reactor] {
+  ctx.snapshots->post([&ctx, id, response, reactor, op] {
     SnapshotService::Info info;
-    const SnapshotService::Result r = ctx.snapshots->info(id, &info);
+    const SnapshotService::Result r = (ctx.snapshots->*op)(id, &info);
     if (r.ok()) fill(info, response);
     reactor->Finish(to_grpc_status(r.status, r.message));
   });
 }
 
+}  // namespace
+
+void get_snapshot(ServiceContext& ctx, const v1::SnapshotRef* request, v1::SnapshotInfo* response,
+                  grpc::ServerUnaryReactor* reactor) {
+  answer_by_ref(ctx, request, response, reactor, &SnapshotService::info);
+}
+
 void delete_snapshot(ServiceContext& ctx, const v1::SnapshotRef* request, v1::SnapshotInfo* response,
                      grpc::ServerUnaryReactor* reactor) {
-  if (ctx.snapshots == nullptr) {
-    reactor->Finish(to_grpc_status(StreamStatus::kUnimplemented, kNoSnapshots));
-    return;
-  }
-  const std::string id = request->snapshot_id();
-  ctx.snapshots->post([&ctx, id, response, reactor] {
-    SnapshotService::Info info;
-    const SnapshotService::Result r = ctx.snapshots->remove(id, &info);
-    if (r.ok()) fill(info, response);
-    reactor->Finish(to_grpc_status(r.status, r.message));
-  });
+  answer_by_ref(ctx, request, response, reactor, &SnapshotService::remove);
 }
 
 }  // namespace m3
