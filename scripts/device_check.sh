@@ -1,135 +1,216 @@
 #!/usr/bin/env bash
-# Runs on the lent GPU machine (device tool), from the repository root, with binaries
-# built elsewhere and carried in .device/:
-#   .device/bin/{m3_kernel_tests,m3_cuda_engine_tests,m3_cuda_no_allocation_test,m3_cuda_capacity_tests,m3check,m3bench}[.gz]
-#   .device/golden/{tiny,small_norm_mlp}/   (copy of ../shared/golden)
-#   .device/lib/{libm3_kernel_trace.so,libcupti.so.13}[.gz]   (trace mode only)
-# Writes logs under $OUT (or ./device-out) and prints a short summary last; exits 1 when
-# any test, check, bench or trace run failed (the summary says which), 0 otherwise.
-# Usage: scripts/device_check.sh [all|tests|check|bench|trace] [extra m3bench args...]
-# trace: m3bench decode at batch 1, 16 and 64 under the CUPTI injection library, one
-# kernel_trace_b<batch>.csv.gz each (scripts/kernel_trace_summary.py reads them).
+# Every GPU check in one or two device calls. The lent machine has the NVIDIA driver, nvcc
+# and cmake but no gRPC, spdlog or prometheus-cpp, and the carried tree is limited to
+# 64 MiB, so the binaries are built here and travel as one zstd archive with the shared
+# libraries they need (glibc, libstdc++ and CUDA's excepted: the machine's own are newer). The
+# binaries are nearly alike (the kernels are linked into each), so a long-window zstd
+# keeps the archive small.
+#   here:           scripts/device_check.sh pack [BUILD_DIR]    -> .device/ (carry .device)
+#   on the machine: scripts/device_check.sh MODE...  (modes run in the order given)
+# Modes:
+#   tests    every GPU gtest binary whole, then each m3check command ctest labels gpu
+#   ab       decode A/B of OLD (device_ab_check.sh's OLD_REF build, when packed) and this tree
+#   prefill  m3bench prefill, chunked and stepped, s2s-14l bf16
+#   prefill_trace  each kernel's time in a chunked prefill (CUPTI), 2048 tokens at batch 1, 8
+#   bench    m3bench decode at batch 1-64 (per kernel) and 64-4096
+#   serve    scripts/device_serve_check.sh run, then again with --cuda-prefill chunked and
+#            2048-token prompts
+#   realtime scripts/device_serve_check.sh realtime
+# Logs go under $OUT (or ./device-out); a summary is printed last; exit 1 when anything
+# failed.
 set -u -o pipefail
-MODE=${1:-all}
-shift || true
-case $MODE in
-  all | tests | check | bench | trace) ;;
-  *) echo "usage: scripts/device_check.sh [all|tests|check|bench|trace] [extra m3bench args...]" >&2; exit 2 ;;
-esac
-OUT=${OUT:-$PWD/device-out}
-mkdir -p "$OUT"
-BIN=.device/bin
-GOLDEN=.device/golden
-# Binaries may travel gzipped (the carried tree is limited to 64 MiB).
-for z in "$BIN"/*.gz .device/lib/*.gz; do
-  [[ -e $z ]] && gunzip -f "$z"
-done
-chmod +x "$BIN"/* 2>/dev/null
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+DEV=$ROOT/.device
+CONFIG=configs/models/s2s-14l.json
+# The GPU gtest binaries, by their build paths.
+GTESTS="tests/kernels/m3_kernel_tests tests/kernels/m3_cuda_engine_tests
+tests/kernels/m3_cuda_no_allocation_test tests/kernels/m3_cuda_capacity_tests
+tests/kernels/m3_slot_state_copy_test tests/kernels/m3_cuda_slot_state_test
+tests/engine/m3_engine_gpu_prefill_tests"
+TOOLS="model/m3check model/m3make server/m3bench server/m3serve server/m3cli"
+
+pack() {
+  local build=${1:-$ROOT/build} stage
+  stage=$(mktemp -d)
+  mkdir -p "$stage/bin" "$stage/lib" "$stage/golden"
+  for b in $GTESTS $TOOLS; do
+    cp "$build/$b" "$stage/bin/" || { echo "missing $build/$b (build with CUDA first)"; return 1; }
+  done
+  cp "$build/server/libm3_spm.so" "$build/server/libm3_kernel_trace.so" "$stage/lib/"
+  for b in "$stage"/bin/*; do ldd "$b"; done | awk '$3 ~ /^\// {print $3}' | sort -u |
+    grep -vE '/(libc|libm|libstdc\+\+|libgcc_s|libcu[A-Za-z]*|libnv[A-Za-z]*)\.so' | while read -r lib; do cp -L "$lib" "$stage/lib/"; done
+  cp -r "$ROOT/../shared/golden/tiny" "$ROOT/../shared/golden/small_norm_mlp" "$stage/golden/"
+  # OLD's decode binaries for the A/B, where device_ab_check.sh pack built them.
+  local old=${AB_OLD_BUILD:-$ROOT/build-ab-old/build}
+  if [[ -x $old/server/m3bench ]]; then
+    mkdir -p "$stage/ab/old"
+    cp "$old/server/m3bench" "$old/model/m3check" "$stage/ab/old/"
+  fi
+  # ctest's m3check commands labelled gpu: name, the output that passes (if any), arguments
+  # with the checkout and ../shared/golden made relative to the carried tree.
+  (cd "$build" && ctest --show-only=json-v1 -L gpu) | python3 -c '
+import json, sys
+root, golden = sys.argv[1], sys.argv[2]
+for t in json.load(sys.stdin)["tests"]:
+    if not t["command"][0].endswith("/m3check"):
+        continue
+    props = {p["name"]: p["value"] for p in t.get("properties", [])}
+    args = " ".join(a.replace(root + "/../shared/golden", ".device/golden").replace(golden, ".device/golden")
+                    .replace(root + "/", "") for a in t["command"][1:])
+    print(t["name"], (props.get("PASS_REGULAR_EXPRESSION") or [""])[0], args, sep="|")
+' "$ROOT" "$(realpath "$ROOT/../shared/golden")" >"$stage/m3check_commands.txt" || return 1
+  mkdir -p "$DEV/tools"
+  cp /usr/bin/zstd "$DEV/tools/"
+  tar cf - -C "$stage" . | zstd -q -f -T2 -10 --long=30 -o "$DEV/bundle.tar.zst" || return 1
+  rm -rf "$stage"
+  echo "$(git -C "$ROOT" rev-parse --short HEAD)$(git -C "$ROOT" diff --quiet || echo ' (+ uncommitted)')" >"$DEV/version.txt"
+  du -sh "$DEV"/*
+}
+
 summary=()
 failures=0
-# Records a failed step: the summary line of each step says which.
-fail() { failures=$((failures + 1)); }
-nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
+note() { summary+=("$1"); }
+fail() { failures=$((failures + 1)); note "FAIL: $1"; }
 
-if [[ $MODE == all || $MODE == tests ]]; then
-  for t in m3_kernel_tests m3_cuda_engine_tests m3_cuda_no_allocation_test m3_cuda_capacity_tests; do
-    if "$BIN/$t" --gtest_brief=1 >"$OUT/$t.log" 2>&1; then r=PASS; else r=FAIL; fail; fi
-    summary+=("$t: $r ($(grep -E '^\[  (PASSED|FAILED|SKIPPED) ' "$OUT/$t.log" | tr '\n' ' '))")
-    [[ $r == FAIL ]] && grep -E "Failure|error|FAILED|Expected|Which is|actual" "$OUT/$t.log" | head -40
-  done
-  # The weights' loads really precede the PDL wait in the built kernels (SASS).
-  if scripts/check_pdl_sass.sh "$BIN/m3bench" >"$OUT/pdl_sass.log" 2>&1; then r=PASS; else r=FAIL; fail; fi
-  summary+=("pdl wait placement (SASS): $r ($(tail -1 "$OUT/pdl_sass.log"))")
-fi
+unpack() {
+  [[ -d $DEV/bin ]] && return 0
+  "$DEV/tools/zstd" -q -d --long=30 -c "$DEV/bundle.tar.zst" | tar xf - -C "$DEV" || return 1
+  export LD_LIBRARY_PATH=$DEV/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+}
 
-if [[ $MODE == all || $MODE == check ]]; then
-  for c in tiny small_norm_mlp; do
-    for d in fp32 bf16; do
-      "$BIN/m3check" "$GOLDEN/$c" "$GOLDEN/$c/trajectory.safetensors" --backend cuda --dtype $d \
-          >"$OUT/m3check_${c}_$d.log" 2>&1
-      rc=$?
-      [[ $rc -eq 0 ]] || fail
-      summary+=("m3check cuda $c $d: exit $rc: $(tail -2 "$OUT/m3check_${c}_$d.log" | tr '\n' ' ')")
-    done
-    # Each sequence alone: the batch-1 plan (out_proj fused into the recurrence).
-    for d in fp32 bf16; do
-      "$BIN/m3check" "$GOLDEN/$c" "$GOLDEN/$c/trajectory.safetensors" --backend cuda --dtype $d --one-at-a-time \
-          >"$OUT/m3check_${c}_${d}_alone.log" 2>&1
-      rc=$?
-      [[ $rc -eq 0 ]] || fail
-      summary+=("m3check cuda $c $d, one at a time: exit $rc: $(tail -2 "$OUT/m3check_${c}_${d}_alone.log" | tr '\n' ' ')")
-    done
-    # bf16 engines run the recurrence on tensor cores; check the CUDA-core kernel with
-    # bf16 weights too (the policy's recurrence_tensor_core_min_batch: never).
-    "$BIN/m3check" "$GOLDEN/$c" "$GOLDEN/$c/trajectory.safetensors" --backend cuda \
-        --dtype bf16 --cuda-recurrence-tensor-core-min-batch never >"$OUT/m3check_${c}_bf16_cudacore.log" 2>&1
-    rc=$?
-    [[ $rc -eq 0 ]] || fail
-    summary+=("m3check cuda $c bf16 (CUDA-core recurrence): exit $rc: $(tail -2 "$OUT/m3check_${c}_bf16_cudacore.log" | tr '\n' ' ')")
-  done
-fi
-
-if [[ $MODE == all || $MODE == bench ]]; then
-  "$BIN/m3bench" decode --config configs/models/s2s-14l.json --batch 1,2,4,8,16,32,64 \
-      --json "$OUT/bench_bf16.json" --per-kernel "$@" 2>&1 | tee "$OUT/bench_bf16.txt"
-  rc=$?
-  [[ $rc -eq 0 ]] || fail
-  summary+=("m3bench decode bf16: exit $rc")
-  # Capacity: every bucket from 64 to 4096 (4,096 fp32 states are 56 GB).
-  "$BIN/m3bench" decode --config configs/models/s2s-14l.json --batch 64,128,256,512,1024,2048,4096 \
-      --iters 30 --json "$OUT/bench_bf16_capacity.json" 2>&1 | tee "$OUT/bench_bf16_capacity.txt"
-  rc=$?
-  [[ $rc -eq 0 ]] || fail
-  summary+=("m3bench decode bf16, batch 64 to 4096: exit $rc")
-  # Policy variants (configs/server.yaml's cuda: section, as flags), one at a time, in the
-  # same run; M3_AB_RUNS (one run's flags a line) replaces the list.
-  ab_runs=${M3_AB_RUNS:-"--cuda-chains 1
---cuda-chains 2
---cuda-gemv-trigger after_wait
---cuda-recurrence-trigger at_end
---cuda-recurrence-trigger after_wait
---cuda-step-variants-out-proj-fused off
---cuda-step-variants-out-proj-fused on
---cuda-step-variants-embedding-gathered off
---cuda-step-variants-fused-cluster 4
---cuda-recurrence-tensor-core-min-batch never
---cuda-gemv-row-block-min-batch 4
---cuda-recurrence-tc-column-split 1
---cuda-pdl false
---cuda-next-step-prefetch false
---cuda-recurrence-state-load plain"}
-  while IFS= read -r flags; do
-    [[ -z $flags ]] && continue
-    name=$(echo "$flags" | tr -s ' ' '_' | sed 's/^--cuda-//')
-    # shellcheck disable=SC2086  # the line is the run's flags
-    "$BIN/m3bench" decode --config configs/models/s2s-14l.json --batch 1,2,4,16,64 \
-        --iters 100 $flags 2>&1 | tee "$OUT/bench_bf16_$name.txt" | sed "s/^/[$flags] /"
-    rc=$?
-    if [[ $rc -ne 0 ]]; then
-      fail
-      summary+=("m3bench decode bf16, $flags: exit $rc")
+run_tests() {
+  local t log
+  for t in $GTESTS; do
+    t=$(basename "$t")
+    log=$OUT/$t.log
+    if timeout 300 "$DEV/bin/$t" --gtest_brief=1 >"$log" 2>&1; then
+      note "$t: PASS ($(grep -cE '^\[  (SKIPPED) ' "$log") skipped; $(grep -E '^\[  PASSED' "$log"))"
+    else
+      fail "$t: $(grep -E '^\[  FAILED  \] [A-Za-z]' "$log" | head -20 | tr '\n' ' ')"
+      grep -B2 -A8 -E 'Failure$' "$log" | head -60
     fi
-  done <<<"$ab_runs"
-fi
-
-if [[ $MODE == trace ]]; then
-  for b in 1 16 64; do
-    M3_TRACE_OUT="$OUT/kernel_trace_b$b.csv" CUDA_INJECTION64_PATH="$PWD/.device/lib/libm3_kernel_trace.so" \
-        LD_LIBRARY_PATH="$PWD/.device/lib:/usr/local/cuda/extras/CUPTI/lib64:${LD_LIBRARY_PATH:-}" \
-        "$BIN/m3bench" decode --config configs/models/s2s-14l.json --batch $b --iters 10 "$@" >"$OUT/trace_bench_b$b.txt" 2>&1
+  done
+  local name pass args out rc
+  while IFS='|' read -r name pass args; do
+    # shellcheck disable=SC2086  # the arguments are words
+    out=$(timeout 120 "$DEV/bin/m3check" $args 2>&1)
     rc=$?
-    if [[ $rc -ne 0 || ! -s $OUT/kernel_trace_b$b.csv ]]; then
-      fail
-      summary+=("trace batch $b: FAIL (m3bench exit $rc; see trace_bench_b$b.txt)")
+    echo "$out" >"$OUT/$name.log"
+    if [[ -n $pass ]]; then
+      grep -qE "$pass" <<<"$out" || { fail "$name (no '$pass' in its output)"; continue; }
+    elif [[ $rc -ne 0 ]]; then
+      fail "$name: exit $rc: $(tail -2 <<<"$out" | tr '\n' ' ')"
       continue
     fi
-    summary+=("trace batch $b: $(($(wc -l <"$OUT/kernel_trace_b$b.csv") - 1)) kernel records")
-    gzip -f "$OUT/kernel_trace_b$b.csv"
-  done
-fi
+    note "$name: ok $(grep -E '^max_rel_err' <<<"$out" | tr '\n' ' ')"
+  done <"$DEV/m3check_commands.txt"
+}
 
-printf '%s\n' "==== summary" "${summary[@]}"
-if [[ $failures -gt 0 ]]; then
-  echo "==== $failures failed"
-  exit 1
+run_ab() {
+  if [[ ! -x $DEV/ab/old/m3bench ]]; then
+    note "ab: no OLD build packed"
+    return
+  fi
+  mkdir -p "$DEV/ab/new"
+  ln -sf "$DEV/bin/m3bench" "$DEV/ab/new/m3bench"
+  ln -sf "$DEV/bin/m3check" "$DEV/ab/new/m3check"
+  if "$ROOT/scripts/device_ab_check.sh" run "${AB_ROUNDS:-3}" | tee "$OUT/ab.txt"; then
+    note "ab: $(grep -A8 '^==== decode' "$OUT/ab.txt" | tail -7 | awk '{printf "b%s %s %s; ", $1, $4, $5}')"
+  else
+    fail "ab: $(tail -1 "$OUT/ab.txt")"
+  fi
+}
+
+run_prefill() {
+  local mode
+  for mode in chunked steps; do
+    if timeout 240 "$DEV/bin/m3bench" prefill --config $CONFIG --len "${PREFILL_LENS:-128,512,2048,8192}" \
+        --batch 1,8 --iters 5 --cuda-prefill $mode --json "$OUT/prefill_$mode.json" 2>&1 |
+        tee "$OUT/prefill_$mode.txt"; then
+      note "m3bench prefill $mode: ok"
+    else
+      fail "m3bench prefill $mode"
+    fi
+  done
+}
+
+# m3bench prefill (chunked) under the CUPTI kernel trace: each kernel's time, 2048 tokens
+# at batch 1 and 8 (scripts/kernel_trace_totals.py sums it by kernel).
+run_prefill_trace() {
+  local b
+  for b in 1 8; do
+    M3_TRACE_OUT="$OUT/prefill_trace_b$b.csv" CUDA_INJECTION64_PATH="$DEV/lib/libm3_kernel_trace.so" \
+        LD_LIBRARY_PATH="$LD_LIBRARY_PATH:/usr/local/cuda/extras/CUPTI/lib64" \
+        timeout 120 "$DEV/bin/m3bench" prefill --config $CONFIG --len 2048 --batch $b --iters 3 \
+        --cuda-prefill chunked >"$OUT/prefill_trace_b$b.txt" 2>&1 || fail "prefill trace batch $b"
+    [[ -s $OUT/prefill_trace_b$b.csv ]] && python3 "$ROOT/scripts/kernel_trace_totals.py" \
+        "$OUT/prefill_trace_b$b.csv" 2>&1 | head -40
+  done
+}
+
+run_bench() {
+  timeout 200 "$DEV/bin/m3bench" decode --config $CONFIG --batch 1,2,4,8,16,32,64 \
+      --json "$OUT/bench_bf16.json" --per-kernel 2>&1 | tee "$OUT/bench_bf16.txt" >/dev/null ||
+    fail "m3bench decode bf16"
+  # Capacity: every bucket from 64 to 4096 (4,096 fp32 states are 56 GB).
+  timeout 300 "$DEV/bin/m3bench" decode --config $CONFIG --batch 64,128,256,512,1024,2048,4096 \
+      --iters 30 --json "$OUT/bench_bf16_capacity.json" 2>&1 | tee "$OUT/bench_bf16_capacity.txt" ||
+    fail "m3bench decode bf16, batch 64 to 4096"
+  note "m3bench decode: see bench_bf16*.txt"
+}
+
+run_serve() {
+  # device_serve_check.sh unpacks srv.tgz; here the bundle holds the same binaries.
+  local flags
+  for flags in "" "--cuda-prefill chunked"; do
+    if M3_SERVE_FLAGS=$flags M3_SERVE_PROMPT_LEN=2048 M3_SERVE_BIN=$DEV/bin \
+        timeout 280 "$ROOT/scripts/device_serve_check.sh" run 2>&1 | tee "$OUT/serve${flags:+_chunked}.txt"; then
+      note "serve ${flags:-(prefill steps)}: $(grep -E 'exit status' "$OUT/serve${flags:+_chunked}.txt")"
+    else
+      fail "serve ${flags:-(prefill steps)}"
+    fi
+  done
+}
+
+run_realtime() {
+  if M3_SERVE_BIN=$DEV/bin timeout 500 "$ROOT/scripts/device_serve_check.sh" realtime 2>&1 | tee "$OUT/realtime.txt"; then
+    note "realtime: ok"
+  else
+    fail "realtime"
+  fi
+}
+
+if [[ ${1:-} == pack ]]; then
+  shift
+  pack "$@"
+  exit
 fi
+[[ $# -gt 0 ]] || { echo "usage: $0 pack [BUILD_DIR] | {tests|ab|prefill|bench|serve|realtime}..." >&2; exit 2; }
+OUT=${OUT:-$ROOT/device-out}
+export OUT
+mkdir -p "$OUT"
+cd "$ROOT" || exit 1
+unpack || { echo "could not unpack $DEV/bundle.tar.zst"; exit 1; }
+export LD_LIBRARY_PATH=$DEV/lib:/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+echo "tree $(cat "$DEV/version.txt" 2>/dev/null)"
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
+for mode in "$@"; do
+  start=$SECONDS
+  case $mode in
+    tests) run_tests ;;
+    ab) run_ab ;;
+    prefill) run_prefill ;;
+    prefill_trace) run_prefill_trace ;;
+    bench) run_bench ;;
+    serve) run_serve ;;
+    realtime) run_realtime ;;
+    *) fail "unknown mode $mode" ;;
+  esac
+  note "($mode took $((SECONDS - start)) s)"
+done
+printf '%s\n' "==== summary" "${summary[@]}" | tee "$OUT/summary.txt"
+# At most a few files come back from the machine: the logs travel as one archive.
+logs=$(mktemp)
+(cd "$OUT" && tar czf "$logs" --exclude=summary.txt . && find . -mindepth 1 ! -name summary.txt -delete &&
+  mv "$logs" logs.tar.gz)
+[[ $failures -eq 0 ]] || { echo "==== $failures failed"; exit 1; }

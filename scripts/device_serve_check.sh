@@ -35,9 +35,18 @@ pack)
 run | realtime)
   OUT=${OUT:-$PWD/device-out}
   mkdir -p "$OUT"
+  # Result files of a run with M3_SERVE_FLAGS carry a tag, so that two runs can share $OUT.
+  TAG=$(echo "${M3_SERVE_FLAGS:-}" | tr -cs 'A-Za-z0-9' '_' | sed 's/^_*//; s/_*$//')
+  TAG=${TAG:+_$TAG}
   D=$(mktemp -d)
-  tar xzf "$ROOT/.device/srv.tgz" -C "$D"
-  export LD_LIBRARY_PATH=$D/lib
+  # M3_SERVE_BIN: a folder already holding the binaries (device_check.sh's bundle), whose
+  # libraries are on LD_LIBRARY_PATH; otherwise srv.tgz is unpacked.
+  if [[ -n ${M3_SERVE_BIN:-} ]]; then
+    for b in m3make m3serve m3cli m3bench; do ln -s "$M3_SERVE_BIN/$b" "$D/$b"; done
+  else
+    tar xzf "$ROOT/.device/srv.tgz" -C "$D"
+    export LD_LIBRARY_PATH=$D/lib
+  fi
   "$D/m3make" --config "$ROOT/configs/models/s2s-14l.json" --seed 1 --dtype bf16 --out "$D/s2s" \
       >"$OUT/make.log" 2>&1 || { cat "$OUT/make.log"; exit 1; }
   # M3_SERVE_FLAGS: more m3serve flags (e.g. "--pipelined-steps false" for an A/B run).
@@ -45,28 +54,54 @@ run | realtime)
   BATCH=64
   [[ $MODE == realtime ]] && BATCH=auto
   "$D/m3serve" --backend "${M3_SERVE_BACKEND:-cuda}" --model "$D/s2s" --max-batch $BATCH --listen 127.0.0.1:50051 ${M3_SERVE_FLAGS:-} \
-      --metrics-listen 127.0.0.1:9464 >"$OUT/serve.log" 2>&1 &
+      --metrics-listen 127.0.0.1:9464 >"$OUT/serve$TAG.log" 2>&1 &
   server=$!
   for _ in $(seq 120); do "$D/m3cli" health >/dev/null 2>&1 && break; sleep 0.5; done
   "$D/m3cli" health && "$D/m3cli" info
   "$D/m3cli" generate --ids 1,2,3 --max-new-tokens 24 --print ids
-  grep -F "max_batch auto" "$OUT/serve.log"
+  grep -F "max_batch auto" "$OUT/serve$TAG.log"
   if [[ $MODE == realtime ]]; then
     "$D/m3bench" realtime --streams "${M3_RT_STREAMS:-256,512,1024,1280,1536,2048}" --rate 100 \
         --json "$OUT/realtime.json"
     "$D/m3bench" realtime --duplex --streams "${M3_RT_DUPLEX_STREAMS:-64,256,512,1024}" --rate 100 \
         --reply-tokens 200 --json "$OUT/realtime_duplex.json"
   else
-  "$D/m3bench" serve --concurrency 64 --requests 256 --max-new-tokens 128 --json "$OUT/serve64.json"
-  "$D/m3bench" serve --concurrency 16 --requests 64 --max-new-tokens 128 --json "$OUT/serve16.json"
-  "$D/m3bench" serve --concurrency 1 --requests 4 --max-new-tokens 128 --json "$OUT/serve1.json"
+  "$D/m3bench" serve --concurrency 64 --requests 256 --max-new-tokens 128 --json "$OUT/serve64$TAG.json"
+  "$D/m3bench" serve --concurrency 16 --requests 64 --max-new-tokens 128 --json "$OUT/serve16$TAG.json"
+  "$D/m3bench" serve --concurrency 1 --requests 4 --max-new-tokens 128 --json "$OUT/serve1$TAG.json"
+  # M3_SERVE_PROMPT_LEN: long prompts too, alone and 16 at once (time to first token).
+  if [[ -n ${M3_SERVE_PROMPT_LEN:-} ]]; then
+    for c in 1 16; do
+      "$D/m3bench" serve --concurrency $c --requests $((c * 4)) --prompt-len "$M3_SERVE_PROMPT_LEN" \
+          --max-new-tokens 200 --json "$OUT/serve${c}_prompt$M3_SERVE_PROMPT_LEN$TAG.json"
+    done
+    # Mixed: 16 streams decoding, alone and while 8 prompts of that length arrive one after
+    # another; their inter-token latency (p50, p99) side by side.
+    "$D/m3bench" serve --concurrency 16 --requests 16 --max-new-tokens 3000 --json "$OUT/mixed_alone$TAG.json" >/dev/null
+    "$D/m3bench" serve --concurrency 16 --requests 16 --max-new-tokens 3000 --json "$OUT/mixed_decoding$TAG.json" >/dev/null &
+    decoding=$!
+    sleep 0.3
+    "$D/m3bench" serve --concurrency 1 --requests 8 --prompt-len "$M3_SERVE_PROMPT_LEN" --max-new-tokens 1 \
+        --json "$OUT/mixed_prompts$TAG.json" >/dev/null
+    wait $decoding
+    python3 - "$OUT/mixed_alone$TAG.json" "$OUT/mixed_decoding$TAG.json" "$OUT/mixed_prompts$TAG.json" <<'PY'
+import json, sys
+alone, mixed, prompts = (json.load(open(p)) for p in sys.argv[1:])
+itl = lambda d: d["inter_token_latency"]
+print("mixed: 16 streams' inter-token latency p50/p99 ms: alone %.3f/%.3f, while prompts are read %.3f/%.3f"
+      " (p99 ratio %.2f); the prompts' time to first token p50/p99 ms %.2f/%.2f" %
+      (itl(alone)["p50_ms"], itl(alone)["p99_ms"], itl(mixed)["p50_ms"], itl(mixed)["p99_ms"],
+       itl(mixed)["p99_ms"] / itl(alone)["p99_ms"], prompts["time_to_first_token"]["p50_ms"],
+       prompts["time_to_first_token"]["p99_ms"]))
+PY
+  fi
   fi
   python3 -c "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:9464/metrics').read().decode())" |
     grep -E '^m3serve' | grep -v _bucket
   kill -TERM "$server"
   wait "$server"
   echo "m3serve exit status: $?"
-  tail -3 "$OUT/serve.log"
+  tail -3 "$OUT/serve$TAG.log"
   ;;
 *)
   echo "usage: $0 pack [BUILD_DIR] | run | realtime" >&2

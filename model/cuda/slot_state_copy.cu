@@ -58,9 +58,11 @@ void SlotStateCopier::check(std::span<const std::byte> in, int vocab_size) const
   std::memcpy(&last, tail + sizeof(uint64_t), sizeof last);
   const auto has_sample = static_cast<uint8_t>(tail[sizeof(uint64_t) + sizeof(int32_t)]);
   const auto parity = static_cast<uint8_t>(tail[sizeof(uint64_t) + sizeof(int32_t) + 1]);
+  const bool spare_zero = tail[sizeof(uint64_t) + sizeof(int32_t) + 2] == std::byte{0} &&
+                          tail[sizeof(uint64_t) + sizeof(int32_t) + 3] == std::byte{0};
   int32_t frame_position = 0;
   std::memcpy(&frame_position, tail + kFramePositionAt, sizeof frame_position);
-  if (has_sample > 1 || parity > 1 || last < 0 || last >= vocab_size || frame_position < 0) {
+  if (has_sample > 1 || parity > 1 || !spare_zero || last < 0 || last >= vocab_size || frame_position < 0) {
     throw std::invalid_argument("load_slot: not a slot state of this engine (token " + std::to_string(last) +
                                 ", flags " + std::to_string(has_sample) + "/" + std::to_string(parity) +
                                 ", frame position " + std::to_string(frame_position) + ")");

@@ -48,7 +48,8 @@ class SlotStateCopier {
   void save(cudaStream_t step_stream, const SlotDeviceState& slot, SlotHostFlags flags,
             std::span<std::byte> out);
   // Throws std::invalid_argument unless `in` is bytes() long with a token below
-  // `vocab_size` and flags of 0 or 1 (no CUDA call: a refusal leaves the engine usable).
+  // `vocab_size`, flags of 0 or 1, zero spare bytes and a frame position not below 0 (no
+  // CUDA call: a refusal leaves the engine usable).
   void check(std::span<const std::byte> in, int vocab_size) const;
   // Checks `in` (check()), then queues its copy into
   // the slot after what `step_stream` has queued and makes `step_stream` wait for it.

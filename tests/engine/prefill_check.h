@@ -16,6 +16,9 @@ struct PrefillComparison {
   SamplingParams sampling;   // every slot's (seed + slot for each)
   int continue_steps = 8;    // decode steps after the prompt, on both engines
   float tolerance = 0.0f;    // on every logit; 0: bitwise equal
+  // tolerance relative to the row's largest step-by-step logit (m3check's max_rel_err),
+  // instead of to 1 + |logit| for each logit.
+  bool row_relative = false;
   bool compare_samples = true;  // sampled ids equal (off where logits may differ a little)
   uint64_t seed = 11;        // of the prompts
 };

@@ -108,10 +108,15 @@ TEST_F(CudaSlotState, BadBytesAreRefusedAndTheEngineGoesOn) {
   step1(*e, 0, 5);
   std::vector<std::byte> small(e->slot_state_bytes() - 1);
   EXPECT_THROW(e->load_slot(1, small), std::invalid_argument);
+  // The tail: counter (8 bytes), last token (4), flags (4), frame position (4).
   std::vector<std::byte> bad = saved(*e, 0);
   const int32_t token = 1 << 20;
-  std::memcpy(bad.data() + bad.size() - 8, &token, sizeof token);
+  std::memcpy(bad.data() + bad.size() - 12, &token, sizeof token);
   EXPECT_THROW(e->load_slot(1, bad), std::invalid_argument);
+  std::vector<std::byte> bad_frame = saved(*e, 0);
+  const int32_t negative = -3;
+  std::memcpy(bad_frame.data() + bad_frame.size() - 4, &negative, sizeof negative);
+  EXPECT_THROW(e->load_slot(1, bad_frame), std::invalid_argument);
   EXPECT_EQ(e->failure(), "");
   EXPECT_GE(step1(*e, 0, 6), 0);
 }

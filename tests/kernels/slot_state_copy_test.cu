@@ -27,8 +27,9 @@ struct TwoSlots {
   testing::DeviceArray<float> state{2 * kFloats};
   testing::DeviceArray<uint64_t> counters{2};
   testing::DeviceArray<int32_t> tokens{2};
+  testing::DeviceArray<int32_t> frame_positions{2};
   SlotDeviceState slot(int i) {
-    return {state.get() + i * kFloats, counters.get() + i, tokens.get() + i};
+    return {state.get() + i * kFloats, counters.get() + i, tokens.get() + i, frame_positions.get() + i};
   }
 };
 
@@ -41,6 +42,7 @@ TEST(SlotStateCopy, SaveThenLoadIntoAnotherSlotIsBitIdentical) {
   d.state.upload(host);
   d.counters.upload({77, 0});
   d.tokens.upload({123, 0});
+  d.frame_positions.upload({5, 0});
   cudaStream_t stream;
   M3_CUDA_CHECK(cudaStreamCreate(&stream));
   SlotStateCopier copier(TwoSlots::kFloats);
@@ -54,6 +56,7 @@ TEST(SlotStateCopy, SaveThenLoadIntoAnotherSlotIsBitIdentical) {
   EXPECT_EQ(std::memcmp(after.data(), after.data() + TwoSlots::kFloats, sizeof(float) * TwoSlots::kFloats), 0);
   EXPECT_EQ(d.counters.download()[1], 77u);
   EXPECT_EQ(d.tokens.download()[1], 123);
+  EXPECT_EQ(d.frame_positions.download()[1], 5);
   std::vector<std::byte> again(copier.bytes());
   copier.save(stream, d.slot(1), SlotHostFlags{true, 1}, again);
   EXPECT_EQ(again, bytes);
@@ -66,6 +69,7 @@ TEST(SlotStateCopy, CopiesAreOrderedWithTheStepStream) {
   d.state.upload(std::vector<float>(2 * TwoSlots::kFloats, 0.0f));
   d.counters.upload({1, 1});
   d.tokens.upload({1, 1});
+  d.frame_positions.upload({0, 0});
   cudaStream_t stream;
   M3_CUDA_CHECK(cudaStreamCreate(&stream));
   SlotStateCopier copier(TwoSlots::kFloats);
@@ -97,6 +101,15 @@ TEST(SlotStateCopy, RefusesBytesOfAnotherShape) {
   const int32_t token = 5000;
   std::memcpy(bad.data() + sizeof(float) * TwoSlots::kFloats + 8, &token, sizeof token);
   EXPECT_THROW(copier.load(stream, d.slot(1), bad, 1000), std::invalid_argument);
+  // The two spare bytes after the flags must be zero; the frame position must not be negative.
+  std::vector<std::byte> spare(copier.bytes());
+  spare[sizeof(float) * TwoSlots::kFloats + 14] = std::byte{1};
+  EXPECT_THROW(copier.check(spare, 1000), std::invalid_argument);
+  std::vector<std::byte> frame(copier.bytes());
+  const int32_t negative = -1;
+  std::memcpy(frame.data() + sizeof(float) * TwoSlots::kFloats + 16, &negative, sizeof negative);
+  EXPECT_THROW(copier.check(frame, 1000), std::invalid_argument);
+  EXPECT_NO_THROW(copier.check(std::vector<std::byte>(copier.bytes()), 1000));
   M3_CUDA_CHECK(cudaStreamDestroy(stream));
 }
 
