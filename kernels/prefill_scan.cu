@@ -236,12 +236,15 @@ __global__ void __launch_bounds__(kParamThreads) prefill_token_params_kernel(con
 }
 
 // ---- 2. angles ----------------------------------------------------------------------------
-// A block per (run, head, angle s): warp w takes the w-th of 8 contiguous segments of the
-// run, so the dependent chain is T/8 tokens long. Pass 1 sums each segment; the block scans
-// the 8 totals; pass 2 rewalks each segment with lanes over 32 consecutive tokens (a warp
-// scan), writing cos and sin of theta_t (the rotation the chunk kernels apply).
-constexpr int kAngleThreads = 256;
+// A block per (head, run): lanes take the angles s (a token's angle inputs are adjacent in
+// its in_proj row, so a warp's loads are whole lines), warps take contiguous segments of the
+// run. Pass 1 sums each segment's increments; each warp adds the totals of the segments
+// before its own to the slot's angle; pass 2 rewalks the segment in token order (the order
+// the decode step adds them in), writing cos and sin of theta_t (the rotation the chunk
+// kernels apply).
+constexpr int kAngleThreads = 1024;
 constexpr int kAngleWarps = kAngleThreads / 32;
+constexpr int kMaxAngles = kMaxN / 2;
 __device__ __forceinline__ float angle_increment(const PrefillScanArgs& a, int t, int h, int s) {
   return tanhf(a.w[(int64_t)t * a.w_stride + a.off_ang + s]) * a.ws.tok_dt[(int64_t)t * a.dims.heads + h] * kPi;
 }
@@ -249,43 +252,46 @@ __global__ void __launch_bounds__(kAngleThreads) prefill_angles_kernel(const Sca
   const PrefillScanArgs& a = prm.a;
   const int H = a.dims.heads, S = a.dims.n_angles;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int s = blockIdx.x, h = blockIdx.y, run = blockIdx.z;
+  const int h = blockIdx.x, run = blockIdx.y;
   const int t0 = a.runs.token_begin[run], t1 = a.runs.token_begin[run + 1];
   const int seg = (t1 - t0 + kAngleWarps - 1) / kAngleWarps;
   const int b0 = min(t1, t0 + warp * seg), b1 = min(t1, b0 + seg);
-  __shared__ float totals[kAngleWarps];
-  float sum = 0.f;
-  for (int t = b0 + lane; t < b1; t += 32) sum += angle_increment(a, t, h, s);
-  sum = warp_sum(sum);
-  if (lane == 0) totals[warp] = sum;
+  __shared__ float totals[kAngleWarps][kMaxAngles];
   const int slot = a.runs.slot[run], parity = a.runs.parity[run] & 1;
-  float* angle = a.state + slot * a.slot_stride + a.layer_offset + prm.layout.angle + h * S + s;
-  const float theta0 = angle[(int64_t)parity * H * S];
-  __syncthreads();  // every thread has read the old angle and the totals are in
-  float carry = theta0;
-  for (int w = 0; w < warp; ++w) carry += totals[w];
-  float next = b0 + lane < b1 ? angle_increment(a, b0 + lane, h, s) : 0.f;
-  for (int base = b0; base < b1; base += 32) {
-    const int t = base + lane;
-    float v = next;
-    // The next pass's loads go out before this pass's stores.
-    next = t + 32 < b1 ? angle_increment(a, t + 32, h, s) : 0.f;
+  float* angle = a.state + slot * a.slot_stride + a.layer_offset + prm.layout.angle + h * S;
+  // The slot's angles are read before the barrier: the new ones may go to the same half.
+  float theta0[kMaxAngles / 32];
 #pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const float n = __shfl_up_sync(0xffffffffu, v, o);
-      if (lane >= o) v += n;
-    }
-    if (t < b1) {
+  for (int k = 0; k < kMaxAngles / 32; ++k) {
+    const int s = lane + 32 * k;
+    if (s >= S) break;
+    theta0[k] = angle[(int64_t)parity * H * S + s];
+    float sum = 0.f;
+#pragma unroll 8
+    for (int t = b0; t < b1; ++t) sum += angle_increment(a, t, h, s);
+    totals[warp][s] = sum;
+  }
+  __syncthreads();  // every segment's total is in, every old angle read
+#pragma unroll
+  for (int k = 0; k < kMaxAngles / 32; ++k) {
+    const int s = lane + 32 * k;
+    if (s >= S) break;
+    float theta = theta0[k];
+    for (int w = 0; w < warp; ++w) theta += totals[w][s];
+#pragma unroll 4
+    for (int t = b0; t < b1; ++t) {
+      theta += angle_increment(a, t, h, s);
       float sn, cs;
-      sincosf(carry + v, &sn, &cs);
+      sincosf(theta, &sn, &cs);
       a.ws.rot[((int64_t)t * H + h) * S + s] = make_float2(cs, sn);
     }
-    carry += __shfl_sync(0xffffffffu, v, 31);
-  }
-  if (threadIdx.x == 0) {
-    float total = theta0;
-    for (int w = 0; w < kAngleWarps; ++w) total += totals[w];
-    angle[(int64_t)((parity + (t1 - t0)) & 1) * H * S] = total;
+    if (warp == kAngleWarps - 1) {
+      // The last warp's theta is the run's end only when its segment reaches it; the sum
+      // of every total is, whatever the segments.
+      float total = theta0[k];
+      for (int w = 0; w < kAngleWarps; ++w) total += totals[w][s];
+      angle[(int64_t)((parity + (t1 - t0)) & 1) * H * S + s] = total;
+    }
   }
 }
 
@@ -407,8 +413,10 @@ __global__ void __launch_bounds__(kStateThreads) prefill_state_pass_kernel(const
 }
 
 // ---- 5. chunk output ----------------------------------------------------------------------
+// Two blocks an SM where shared memory allows (sm_90): one block's eight warps leave the
+// SM idle on the fills' global loads.
 template <typename Op>
-__global__ void __launch_bounds__(ChunkSmem<Op>::kThreadsOut, 1) prefill_chunk_output_kernel(const ScanParams prm) {
+__global__ void __launch_bounds__(ChunkSmem<Op>::kThreadsOut, 2) prefill_chunk_output_kernel(const ScanParams prm) {
   using Sm = ChunkSmem<Op>;
   constexpr int kThreads = Sm::kThreadsOut;
   const PrefillScanArgs& a = prm.a;
@@ -600,6 +608,9 @@ void set_smem_limits() {
                                std::to_string(kMaxSharedBytesPerBlock) + "-byte limit");
     }
     M3_CUDA_CHECK(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+    // The whole carveout as shared memory, so that as many blocks fit an SM as it holds.
+    M3_CUDA_CHECK(cudaFuncSetAttribute(fn, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                       static_cast<int>(cudaSharedmemCarveoutMaxShared)));
   }
 }
 
@@ -703,7 +714,7 @@ void launch_prefill_scan(const PrefillScanArgs& a, cudaStream_t stream) {
   prefill_token_params_kernel<<<a.runs.n_tokens, kParamThreads, 0, stream>>>(prm);
   M3_CUDA_CHECK(cudaGetLastError());
   if (d.n_angles > 0) {
-    prefill_angles_kernel<<<dim3(d.n_angles, d.heads, a.runs.n_runs), kAngleThreads, 0, stream>>>(prm);
+    prefill_angles_kernel<<<dim3(d.heads, a.runs.n_runs), kAngleThreads, 0, stream>>>(prm);
     M3_CUDA_CHECK(cudaGetLastError());
   }
   if (d.precision == ScanPrecision::Fp32) {

@@ -12,10 +12,12 @@
 #   ab       decode A/B of OLD (device_ab_check.sh's OLD_REF build, when packed) and this tree
 #   prefill  m3bench prefill, chunked and stepped, s2s-14l bf16
 #   prefill_trace  each kernel's time in a chunked prefill (CUPTI), 2048 tokens at batch 1, 8
+#   prefill_ncu    Nsight Compute on one launch of each chunked-prefill kernel
 #   bench    m3bench decode at batch 1-64 (per kernel) and 64-4096
-#   serve    scripts/device_serve_check.sh run, then again with --cuda-prefill chunked and
-#            2048-token prompts
-#   realtime scripts/device_serve_check.sh realtime
+#   serve    scripts/device_serve_check.sh run with 2048-token prompts, once a line of
+#            SERVE_FLAG_SETS (m3serve flags; default: the defaults, then each prefill path)
+#   realtime scripts/device_serve_check.sh realtime (REALTIME_FLAGS: more m3serve flags)
+#   swap     scripts/device_serve_check.sh swap: idle sessions out of 8 slots and back
 # Logs go under $OUT (or ./device-out); a summary is printed last; exit 1 when anything
 # failed.
 set -u -o pipefail
@@ -40,6 +42,8 @@ pack() {
   for b in "$stage"/bin/*; do ldd "$b"; done | awk '$3 ~ /^\// {print $3}' | sort -u |
     grep -vE '/(libc|libm|libstdc\+\+|libgcc_s|libcu[A-Za-z]*|libnv[A-Za-z]*)\.so' | while read -r lib; do cp -L "$lib" "$stage/lib/"; done
   cp -r "$ROOT/../shared/golden/tiny" "$ROOT/../shared/golden/small_norm_mlp" "$stage/golden/"
+  # PREFILL_BEFORE: an earlier build's m3bench, for the prefill mode's before/after.
+  [[ -n ${PREFILL_BEFORE:-} ]] && cp "$PREFILL_BEFORE" "$stage/bin/m3bench_before"
   # OLD's decode binaries for the A/B, where device_ab_check.sh pack built them.
   local old=${AB_OLD_BUILD:-$ROOT/build-ab-old/build}
   if [[ -x $old/server/m3bench ]]; then
@@ -121,11 +125,16 @@ run_ab() {
   fi
 }
 
+# Chunked and stepped; chunked also with an earlier build's m3bench when one is packed
+# (PREFILL_BEFORE at pack time), the two alternating.
 run_prefill() {
-  local mode
-  for mode in chunked steps; do
-    if timeout 240 "$DEV/bin/m3bench" prefill --config $CONFIG --len "${PREFILL_LENS:-128,512,2048,8192}" \
-        --batch 1,8 --iters 5 --cuda-prefill $mode --json "$OUT/prefill_$mode.json" 2>&1 |
+  local mode bin
+  for mode in chunked steps chunked_before chunked_again; do
+    bin=$DEV/bin/m3bench
+    [[ $mode == chunked_before ]] && bin=$DEV/bin/m3bench_before
+    [[ -x $bin ]] || continue
+    if timeout 240 "$bin" prefill --config $CONFIG --len "${PREFILL_LENS:-128,512,2048,8192}" \
+        --batch 1,8 --iters 5 --cuda-prefill "${mode%%_*}" --json "$OUT/prefill_$mode.json" 2>&1 |
         tee "$OUT/prefill_$mode.txt"; then
       note "m3bench prefill $mode: ok"
     else
@@ -148,6 +157,19 @@ run_prefill_trace() {
   done
 }
 
+# Nsight Compute on one launch of each chunked-prefill kernel (2048 tokens, batch 1).
+run_prefill_ncu() {
+  local ncu
+  ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+  timeout 300 "$ncu" --kernel-name regex:"prefill_chunk_output|prefill_chunk_state|prefill_angles|prefill_state_pass|cutlass_80|prefill_token_params" \
+      --launch-count 6 --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+      --section MemoryWorkloadAnalysis --section SchedulerStats --section ComputeWorkloadAnalysis \
+      "$DEV/bin/m3bench" prefill --config $CONFIG --len 2048 --batch 1 --iters 1 --cuda-prefill chunked \
+      >"$OUT/prefill_ncu.txt" 2>&1 || fail "prefill ncu"
+  grep -E "prefill_|cutlass|Duration|Memory Throughput|DRAM Throughput|Compute \(SM\) Throughput|Achieved Occupancy|Theoretical Occupancy|Registers Per|Shared Memory Config|Dynamic Shared|Stall|Issued Ipc|L1/TEX Hit|L2 Hit|Block Limit" \
+      "$OUT/prefill_ncu.txt" | head -150
+}
+
 run_bench() {
   timeout 200 "$DEV/bin/m3bench" decode --config $CONFIG --batch 1,2,4,8,16,32,64 \
       --json "$OUT/bench_bf16.json" --per-kernel 2>&1 | tee "$OUT/bench_bf16.txt" >/dev/null ||
@@ -161,22 +183,36 @@ run_bench() {
 
 run_serve() {
   # device_serve_check.sh unpacks srv.tgz; here the bundle holds the same binaries.
-  local flags
-  for flags in "" "--cuda-prefill chunked"; do
+  local flags tag
+  while IFS= read -r flags; do
+    tag=$(echo "$flags" | tr -cs 'A-Za-z0-9' '_' | sed 's/^_*//; s/_*$//')
     if M3_SERVE_FLAGS=$flags M3_SERVE_PROMPT_LEN=2048 M3_SERVE_BIN=$DEV/bin \
-        timeout 280 "$ROOT/scripts/device_serve_check.sh" run 2>&1 | tee "$OUT/serve${flags:+_chunked}.txt"; then
-      note "serve ${flags:-(prefill steps)}: $(grep -E 'exit status' "$OUT/serve${flags:+_chunked}.txt")"
+        timeout 280 "$ROOT/scripts/device_serve_check.sh" run 2>&1 | tee "$OUT/serve${tag:+_$tag}.txt"; then
+      note "serve ${flags:-(defaults)}: $(grep -E '^mixed|exit status' "$OUT/serve${tag:+_$tag}.txt" | tr '\n' ' ')"
     else
-      fail "serve ${flags:-(prefill steps)}"
+      fail "serve ${flags:-(defaults)}"
     fi
-  done
+  done <<<"${SERVE_FLAG_SETS:-
+--cuda-prefill chunked
+--cuda-prefill chunked --prefill-chunk-tokens 256
+--cuda-prefill chunked --prefill-chunk-tokens 2048}"
 }
 
+# REALTIME_FLAGS: more m3serve flags (e.g. --cuda-prefill chunked).
 run_realtime() {
-  if M3_SERVE_BIN=$DEV/bin timeout 500 "$ROOT/scripts/device_serve_check.sh" realtime 2>&1 | tee "$OUT/realtime.txt"; then
-    note "realtime: ok"
+  if M3_SERVE_BIN=$DEV/bin M3_SERVE_FLAGS=${REALTIME_FLAGS:-} timeout 500 "$ROOT/scripts/device_serve_check.sh" realtime 2>&1 |
+      tee "$OUT/realtime.txt"; then
+    note "realtime ${REALTIME_FLAGS:-}: ok"
   else
-    fail "realtime"
+    fail "realtime ${REALTIME_FLAGS:-}"
+  fi
+}
+
+run_swap() {
+  if M3_SERVE_BIN=$DEV/bin timeout 200 "$ROOT/scripts/device_serve_check.sh" swap 2>&1 | tee "$OUT/swap.txt"; then
+    note "swap: $(grep -E '^swap-ins|same with' "$OUT/swap.txt" | tr '\n' ' ')"
+  else
+    fail "swap"
   fi
 }
 
@@ -201,9 +237,11 @@ for mode in "$@"; do
     ab) run_ab ;;
     prefill) run_prefill ;;
     prefill_trace) run_prefill_trace ;;
+    prefill_ncu) run_prefill_ncu ;;
     bench) run_bench ;;
     serve) run_serve ;;
     realtime) run_realtime ;;
+    swap) run_swap ;;
     *) fail "unknown mode $mode" ;;
   esac
   note "($mode took $((SECONDS - start)) s)"

@@ -9,6 +9,7 @@
 # the engine's split two-chain step), scrapes
 # /metrics, then stops the server with SIGTERM and reports its exit status.
 # M3_SERVE_BACKEND=cpu runs the same on the CPU engine (to try the script without a GPU).
+# `swap`: idle Converse sessions swapped out of 8 slots and back (needs M3_SERVE_BIN).
 # `realtime` serves the same model with max_batch auto and runs `m3bench realtime` (Generate,
 # then --duplex) at M3_RT_STREAMS / M3_RT_DUPLEX_STREAMS streams of 100 tokens/s, JSON under
 # $OUT (scripts/plot_bench.py realtime plots them).
@@ -103,8 +104,61 @@ PY
   echo "m3serve exit status: $?"
   tail -3 "$OUT/serve$TAG.log"
   ;;
+swap)
+  # Idle Converse sessions off the GPU: 100 sessions on 8 slots, each three turns 1.5 s
+  # apart (each waits longer than session_swap_after_s between turns, so its state leaves
+  # its slot and comes back), the sessions' starts 50 ms apart; then again with a slot for
+  # every session and no swapping. Reports the swap-in histogram and whether every
+  # session's replies are the same in both runs.
+  OUT=${OUT:-$PWD/device-out}
+  mkdir -p "$OUT"
+  D=$(mktemp -d)
+  for b in m3make m3serve m3cli; do ln -s "$M3_SERVE_BIN/$b" "$D/$b"; done
+  "$D/m3make" --config "$ROOT/configs/models/s2s-14l.json" --seed 1 --dtype bf16 --out "$D/s2s" \
+      >"$OUT/make.log" 2>&1 || { cat "$OUT/make.log"; exit 1; }
+  for mode in swap noswap; do
+    if [[ $mode == swap ]]; then flags="--max-batch 8 --session-swap-after-s 0.2 --max-sessions 128 --queue-capacity 128"
+    else flags="--max-batch 128 --session-swap-after-s 0"; fi
+    # shellcheck disable=SC2086
+    "$D/m3serve" --backend "${M3_SERVE_BACKEND:-cuda}" --model "$D/s2s" $flags ${M3_SERVE_FLAGS:-} --listen 127.0.0.1:50051 \
+        --metrics-listen 127.0.0.1:9464 >"$OUT/serve_$mode.log" 2>&1 &
+    server=$!
+    for _ in $(seq 120); do "$D/m3cli" health >/dev/null 2>&1 && break; sleep 0.5; done
+    mkdir -p "$D/$mode"
+    for k in $(seq 100); do
+      (
+        sleep "$(awk -v k="$k" 'BEGIN {print k * 0.05}')"
+        { echo "$k,2,3"; sleep 1.5; echo "4,$k,6"; sleep 1.5; echo "7,8,$k"; sleep 0.5; } |
+          "$D/m3cli" converse --max-new-tokens 16 --print ids >"$D/$mode/$k.txt" 2>"$D/$mode/$k.err"
+        echo $? >"$D/$mode/$k.rc"
+      ) &
+    done
+    wait $(jobs -p | grep -v "^$server$") 2>/dev/null
+    echo "$mode: sessions ok $(grep -lx 0 "$D/$mode"/*.rc | wc -l) of 100"
+    python3 -c "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:9464/metrics').read().decode())" \
+        >"$OUT/metrics_$mode.txt"
+    kill -TERM "$server"
+    wait "$server"
+  done
+  python3 - "$OUT/metrics_swap.txt" <<'PY'
+import sys
+lines = open(sys.argv[1]).read().splitlines()
+def value(name):
+    return next((float(l.split()[-1]) for l in lines if l.startswith(name + " ")), 0.0)
+buckets = [(float(l.split('le="')[1].split('"')[0].replace("+Inf", "inf")), float(l.split()[-1]))
+           for l in lines if l.startswith("m3serve_session_swap_in_seconds_bucket")]
+n = value("m3serve_session_swap_in_seconds_count")
+def quantile(q):
+    return next((le for le, c in buckets if c >= q * n), float("nan"))
+print("swap-ins %d, mean %.3f ms, p50 <= %.3f ms, p99 <= %.3f ms (histogram bounds)" %
+      (n, 1e3 * value("m3serve_session_swap_in_seconds_sum") / max(n, 1), 1e3 * quantile(0.5), 1e3 * quantile(0.99)))
+PY
+  same=0
+  for k in $(seq 100); do cmp -s "$D/swap/$k.txt" "$D/noswap/$k.txt" && same=$((same + 1)); done
+  echo "replies the same with and without swapping: $same of 100 sessions"
+  ;;
 *)
-  echo "usage: $0 pack [BUILD_DIR] | run | realtime" >&2
+  echo "usage: $0 pack [BUILD_DIR] | run | realtime | swap" >&2
   exit 2
   ;;
 esac
