@@ -71,7 +71,7 @@ struct Names {
 };
 
 const Names<Tuned> kTuned{0, {"measure", "off", "on"}};
-const Names<PrefillPath> kPrefillPath{0, {"steps", "chunked"}};
+const Names<PrefillPath> kPrefillPath{0, {"steps", "chunked", "auto"}};
 const Names<Batch2Gemv> kBatch2Gemv{0, {"measure", "tensor_cores", "cuda_cores"}};
 const Names<kernels::PdlTrigger> kPdlTrigger{0, {"at_end", "after_wait", "before_wait"}};
 const Names<kernels::RecurrenceTrigger> kRecurrenceTrigger{
@@ -111,7 +111,8 @@ Table make_table() {
   t.add_int("recurrence_fuse_max_batch", M3_ACCESS(int, recurrence_fuse_max_batch), nullptr,
             "tensor-core recurrence: out_proj fused into it up to this batch where the step variant asks");
   t.add_enum("prefill", M3_ACCESS(PrefillPath, prefill), &kPrefillPath,
-             "how prefill() reads a run: steps (a decode step a token) | chunked (GEMMs and the chunked scan)");
+             "how prefill() reads a run: auto (chunked where the model's shape allows, else steps) | steps (a "
+             "decode step a token) | chunked (GEMMs and the chunked scan; refuses a shape it cannot run)");
   t.add_enum("step_variants.out_proj_fused", M3_ACCESS(Tuned, step_variants.out_proj_fused), &kTuned,
              "batch 1-2: out_proj inside the recurrence: measure (at load) | off | on");
   t.add_enum("step_variants.embedding_gathered", M3_ACCESS(Tuned, step_variants.embedding_gathered), &kTuned,
@@ -173,8 +174,8 @@ void CudaPolicy::validate() const {
   if (recurrence_tensor_core_min_batch < 0) {
     refuse("recurrence_tensor_core_min_batch", "0 (never) or more", recurrence_tensor_core_min_batch);
   }
-  if (prefill != PrefillPath::Steps && prefill != PrefillPath::Chunked) {
-    refuse("prefill", "steps or chunked", static_cast<int>(prefill));
+  if (prefill != PrefillPath::Steps && prefill != PrefillPath::Chunked && prefill != PrefillPath::Auto) {
+    refuse("prefill", "steps, chunked or auto", static_cast<int>(prefill));
   }
   if (recurrence_fuse_max_batch < 0) refuse("recurrence_fuse_max_batch", "0 or more", recurrence_fuse_max_batch);
   const StepVariantPolicy& v = step_variants;

@@ -21,9 +21,10 @@ enum class Tuned { Measure, Off, On };
 // Batch 2's gemvs: tensor cores, or CUDA cores with four rows a warp (whose fewer, larger
 // blocks leave room beside them for the fused recurrence's).
 enum class Batch2Gemv { Measure, TensorCores, CudaCores };
-// How prefill() reads a run: one decode step a token (the base engine's way), or the
-// chunked kernels (GEMMs over the run's tokens and the chunked scan, model/cuda/prefill_runner.h).
-enum class PrefillPath { Steps, Chunked };
+// How prefill() reads a run: one decode step a token (the base engine's way), the chunked
+// kernels (GEMMs over the run's tokens and the chunked scan, model/cuda/prefill_runner.h),
+// or auto: chunked where they take the model's shape, steps otherwise.
+enum class PrefillPath { Steps, Chunked, Auto };
 
 // The batch-1 and batch-2 buckets' step variants: measured at load (Measure / 0) unless a
 // field fixes one way. Which is faster depends on the GPU, not only on the model.
@@ -49,8 +50,7 @@ struct CudaPolicy {
   // fused into it up to recurrence_fuse_max_batch where the step variant asks for it.
   int recurrence_tensor_core_min_batch = 1;
   int recurrence_fuse_max_batch = 2;
-  // steps until the chunked path has had its first check on a GPU.
-  PrefillPath prefill = PrefillPath::Steps;
+  PrefillPath prefill = PrefillPath::Auto;
   StepVariantPolicy step_variants;
   kernels::GemvPolicy gemv;
   kernels::MimoStepPolicy recurrence;

@@ -529,7 +529,7 @@ void Scheduler::schedule(int i, SubmittedStep& step, Clock::time_point now) {
   SampleUse use;
   if (s.phase == Phase::kReplying) s.cacheable = false;  // replies are not prefixes to keep
   if (s.phase == Phase::kFeeding) {
-    if (prefill_chunk_ > 0) return;  // read by prefill() instead
+    if (reads_by_prefill(s)) return;  // read by prefill() instead
     token = s.feed[s.fed++];
     if (s.cacheable && (s.fed % static_cast<size_t>(options_.prefix_cache->interval()) == 0 ||
                         (s.fed == s.feed.size() && s.reply_requested)))
@@ -640,7 +640,7 @@ void Scheduler::fail_step(SubmittedStep& step, const std::exception& e) {
 }
 
 bool Scheduler::wants_prefill(const Slot& s) const {
-  return s.seq && s.phase == Phase::kFeeding && s.in_flight == 0 && s.fed < s.feed.size();
+  return s.seq && s.phase == Phase::kFeeding && s.in_flight == 0 && s.fed < s.feed.size() && reads_by_prefill(s);
 }
 
 void Scheduler::prefill(SubmittedStep& step) {

@@ -159,6 +159,7 @@ ServerApp::ServerApp(const ServerConfig& config, std::shared_ptr<spdlog::logger>
   scheduler_options.queue_capacity = config_.queue_capacity;
   scheduler_options.pipelined = config_.pipelined_steps;
   scheduler_options.prefill_chunk_tokens = config_.prefill_chunk_tokens;
+  scheduler_options.prefill_min_tokens = config_.prefill_min_tokens;
   scheduler_options.session_idle_timeout = from_seconds(config_.session_idle_timeout_s);
   scheduler_options.on_engine_unusable = [this](const std::string&) { report_not_serving(); };
   stalled_streams_ = std::make_unique<StalledStreams>();

@@ -60,6 +60,9 @@ const std::vector<Setting>& settings() {
       {"prefill_chunk_tokens", &ServerConfig::prefill_chunk_tokens,
        "prompt and Converse input tokens read by prefill per scheduler iteration, between the "
        "decode steps of the running streams; 0: one decode step per input token"},
+      {"prefill_min_tokens", &ServerConfig::prefill_min_tokens,
+       "unread input shorter than this (a Converse frame, a short prompt) is read by decode "
+       "steps beside the replying streams instead of by prefill; 1: all input by prefill"},
       {"max_new_tokens_limit", &ServerConfig::max_new_tokens_limit,
        "largest max_new_tokens a request may ask"},
       {"max_prompt_tokens", &ServerConfig::max_prompt_tokens,
@@ -297,6 +300,7 @@ void ServerConfig::validate() const {
   check_int("queue_capacity", queue_capacity, 0, 1'000'000);
   // (The engine sizes its prefill buffers for one chunk at load.)
   check_int("prefill_chunk_tokens", prefill_chunk_tokens, 0, 65536);
+  check_int("prefill_min_tokens", prefill_min_tokens, 1, 65536);
   check_int("max_new_tokens_limit", max_new_tokens_limit, 1, 1 << 24);
   check_int("max_prompt_tokens", max_prompt_tokens, 1, 1 << 24);
   // (Every stream holds a ring of this many tokens, allocated when it starts.)

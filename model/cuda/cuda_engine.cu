@@ -80,13 +80,14 @@ CudaEngine::CudaEngine(const ModelWeights& weights, const EngineOptions& options
   }
   M3_CUDA_CHECK(cudaSetDevice(device_));
   check_config_supported(config_);
-  if (policy_.prefill == PrefillPath::Chunked) {
-    // Refused before anything is uploaded, in the config's terms.
-    if (const std::string why = PrefillRunner::refusal(config_, options.weight_dtype); !why.empty()) {
-      throw std::invalid_argument("cuda engine: cuda.prefill: chunked cannot run this model: " + why +
-                                  " (cuda.prefill: steps can)");
-    }
+  // Refused before anything is uploaded, in the config's terms, when chunked was asked for.
+  const std::string chunked_refusal = PrefillRunner::refusal(config_, options.weight_dtype);
+  if (policy_.prefill == PrefillPath::Chunked && !chunked_refusal.empty()) {
+    throw std::invalid_argument("cuda engine: cuda.prefill: chunked cannot run this model: " + chunked_refusal +
+                                " (cuda.prefill: steps can)");
   }
+  const bool chunked_prefill = policy_.prefill == PrefillPath::Chunked ||
+                               (policy_.prefill == PrefillPath::Auto && chunked_refusal.empty());
   M3_CUDA_CHECK(cudaStreamCreateWithFlags(stream_.out(), cudaStreamNonBlocking));
   M3_CUDA_CHECK(cudaStreamCreateWithFlags(table_stream_.out(), cudaStreamNonBlocking));
   for (auto& e : table_ready_) M3_CUDA_CHECK(cudaEventCreateWithFlags(e.out(), cudaEventDisableTiming));
@@ -115,7 +116,7 @@ CudaEngine::CudaEngine(const ModelWeights& weights, const EngineOptions& options
   for (auto& e : step_done_) M3_CUDA_CHECK(cudaEventCreateWithFlags(e.out(), cudaEventDisableTiming));
 
   build_steps();
-  if (policy_.prefill == PrefillPath::Chunked) {
+  if (chunked_prefill) {
     prefill_runner_ = std::make_unique<PrefillRunner>(config_, weights_, buffers_, layout_, policy_, max_slots_,
                                                       prefill_token_budget_);
     prefill_parities_.assign(max_slots_, 0);

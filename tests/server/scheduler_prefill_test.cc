@@ -233,6 +233,32 @@ TEST(SchedulerPrefillTest, APromptIsReadInChunksOfTheBudget) {
   }
 }
 
+TEST(SchedulerPrefillTest, InputShorterThanTheMinimumRidesTheDecodeSteps) {
+  RecordingEngine engine(1);
+  SchedulerOptions options = chunked(8);
+  options.prefill_min_tokens = 5;
+  Scheduler scheduler(engine, options, nullptr, nullptr);
+  auto a = start(scheduler, iota(100, 3), 2);  // 3 tokens: all by decode steps
+  EXPECT_EQ(a->wait_closed(), StreamStatus::kOk);
+  EXPECT_EQ(a->got(), (std::vector<int32_t>{103, 104}));
+  auto b = start(scheduler, iota(200, 12), 2);  // 8 by prefill, then 4 left: by decode steps
+  EXPECT_EQ(b->wait_closed(), StreamStatus::kOk);
+  EXPECT_EQ(b->got(), (std::vector<int32_t>{212, 213}));
+  std::vector<std::vector<int32_t>> prefilled;
+  std::vector<int32_t> stepped;
+  for (const auto& call : engine.calls()) {
+    for (const auto& [slot, tokens] : call.slots) {
+      if (call.prefill) {
+        prefilled.push_back(tokens);
+      } else if (tokens[0] != kContinueToken) {
+        stepped.push_back(tokens[0]);
+      }
+    }
+  }
+  EXPECT_EQ(prefilled, (std::vector<std::vector<int32_t>>{iota(200, 8)}));
+  EXPECT_EQ(stepped, (std::vector<int32_t>{100, 101, 102, 208, 209, 210, 211}));
+}
+
 TEST(SchedulerPrefillTest, AnEngineWithoutAPrefillPathReadsPromptsByDecodeSteps) {
   // Its prefill() would step a whole chunk while the decoding streams wait: prompt tokens
   // ride in the decode steps instead.

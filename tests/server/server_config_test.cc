@@ -139,6 +139,15 @@ TEST(ServerConfigTest, PrefillChunkTokens) {
             "prefill_chunk_tokens must be between 0 and 65536, got 65537");
 }
 
+TEST(ServerConfigTest, PrefillMinTokens) {
+  EXPECT_EQ(ServerConfig{}.prefill_min_tokens, 32);
+  EXPECT_EQ(load_server_config_file(M3_TEST_SERVER_YAML).prefill_min_tokens, 32);  // documented there
+  EXPECT_EQ(from_yaml("prefill_min_tokens: 1\n").prefill_min_tokens, 1);  // all input by prefill
+  EXPECT_EQ(parse_command_line({"--prefill-min-tokens", "128"}, "").config.prefill_min_tokens, 128);
+  EXPECT_EQ(error_of([] { from_yaml("prefill_min_tokens: 0\n"); }),
+            "prefill_min_tokens must be between 1 and 65536, got 0");
+}
+
 // max_batch auto (the default) is kept as 0 and resolved by the server once the engine's
 // backend is known; state_dtype fp32 is the default.
 TEST(ServerConfigTest, MaxBatchAutoAndStateDtype) {

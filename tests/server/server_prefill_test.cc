@@ -29,10 +29,12 @@ std::vector<int32_t> iota(int32_t first, int count) {
 const std::vector<Request> kRequests = {
     {iota(3, 70), 9, 0.0f, 0}, {iota(10, 5), 12, 0.8f, 42}, {{7}, 6, 1.0f, 5}, {iota(1, 33), 8, 0.0f, 0}};
 
-// Every request of kRequests at once on a server with this chunk size; their tokens.
-std::vector<std::vector<int32_t>> serve(int prefill_chunk_tokens) {
+// Every request of kRequests at once on a server with this chunk size and minimum; their
+// tokens.
+std::vector<std::vector<int32_t>> serve(int prefill_chunk_tokens, int prefill_min_tokens) {
   ServerConfig config = test::test_config();
   config.prefill_chunk_tokens = prefill_chunk_tokens;
+  config.prefill_min_tokens = prefill_min_tokens;
   test::TestServer server(config);
   std::vector<std::future<test::GenerateResult>> results;
   for (const Request& r : kRequests) {
@@ -49,7 +51,7 @@ std::vector<std::vector<int32_t>> serve(int prefill_chunk_tokens) {
     EXPECT_TRUE(r.status.ok()) << r.status.error_message();
     out.push_back(r.tokens);
   }
-  if (prefill_chunk_tokens > 0) {
+  if (prefill_chunk_tokens > 0 && prefill_min_tokens == 1) {
     // Every prompt token went through prefill.
     size_t prompt_tokens = 0;
     for (const Request& r : kRequests) prompt_tokens += r.prompt.size();
@@ -61,7 +63,7 @@ std::vector<std::vector<int32_t>> serve(int prefill_chunk_tokens) {
 }
 
 TEST(PrefillServing, GenerateStreamsTheSameTokensWithAndWithoutPrefill) {
-  const auto stepped = serve(0);
+  const auto stepped = serve(0, 1);
   ASSERT_EQ(stepped.size(), kRequests.size());
   for (size_t i = 0; i < kRequests.size(); ++i) {
     SamplingParams sampling;
@@ -71,8 +73,12 @@ TEST(PrefillServing, GenerateStreamsTheSameTokensWithAndWithoutPrefill) {
         << "request " << i;
   }
   for (const int chunk : {4, 512}) {
-    SCOPED_TRACE("prefill_chunk_tokens " + std::to_string(chunk));
-    EXPECT_EQ(serve(chunk), stepped);
+    // All input by prefill, and the default split: runs shorter than 32 tokens by steps.
+    for (const int min_tokens : {1, ServerConfig{}.prefill_min_tokens}) {
+      SCOPED_TRACE("prefill_chunk_tokens " + std::to_string(chunk) + ", prefill_min_tokens " +
+                   std::to_string(min_tokens));
+      EXPECT_EQ(serve(chunk, min_tokens), stepped);
+    }
   }
 }
 
