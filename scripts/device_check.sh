@@ -42,8 +42,10 @@ pack() {
   for b in "$stage"/bin/*; do ldd "$b"; done | awk '$3 ~ /^\// {print $3}' | sort -u |
     grep -vE '/(libc|libm|libstdc\+\+|libgcc_s|libcu[A-Za-z]*|libnv[A-Za-z]*)\.so' | while read -r lib; do cp -L "$lib" "$stage/lib/"; done
   cp -r "$ROOT/../shared/golden/tiny" "$ROOT/../shared/golden/small_norm_mlp" "$stage/golden/"
-  # PREFILL_BEFORE: an earlier build's m3bench, for the prefill mode's before/after.
-  [[ -n ${PREFILL_BEFORE:-} ]] && cp "$PREFILL_BEFORE" "$stage/bin/m3bench_before"
+  # VARIANT_BINS: binaries of other builds named NAME_VARIANT (m3bench_before,
+  # m3_engine_gpu_prefill_tests_split, ...): the prefill mode times each m3bench_VARIANT
+  # beside this tree's, the tests mode runs each test binary's variant after its own.
+  for b in ${VARIANT_BINS:-}; do cp "$b" "$stage/bin/" || return 1; done
   # OLD's decode binaries for the A/B, where device_ab_check.sh pack built them.
   local old=${AB_OLD_BUILD:-$ROOT/build-ab-old/build}
   if [[ -x $old/server/m3bench ]]; then
@@ -84,8 +86,12 @@ unpack() {
 
 run_tests() {
   local t log
+  local all=""
   for t in $GTESTS; do
-    t=$(basename "$t")
+    all+=" $(basename "$t")"
+    for v in "$DEV/bin/$(basename "$t")"_*; do [[ -x $v ]] && all+=" ${v##*/}"; done
+  done
+  for t in $all; do
     log=$OUT/$t.log
     if timeout 300 "$DEV/bin/$t" --gtest_brief=1 >"$log" 2>&1; then
       note "$t: PASS ($(grep -cE '^\[  (SKIPPED) ' "$log") skipped; $(grep -E '^\[  PASSED' "$log"))"
@@ -125,20 +131,22 @@ run_ab() {
   fi
 }
 
-# Chunked and stepped; chunked also with an earlier build's m3bench when one is packed
-# (PREFILL_BEFORE at pack time), the two alternating.
+# Chunked and stepped with this tree's m3bench, then chunked with each packed variant's
+# (VARIANT_BINS), then this tree's again, so that drift shows.
 run_prefill() {
-  local mode bin
-  for mode in chunked steps chunked_before chunked_again; do
+  local run bin mode
+  local runs="chunked steps"
+  for bin in "$DEV"/bin/m3bench_*; do [[ -x $bin ]] && runs+=" chunked_${bin##*/m3bench_}"; done
+  for run in $runs chunked_again; do
     bin=$DEV/bin/m3bench
-    [[ $mode == chunked_before ]] && bin=$DEV/bin/m3bench_before
-    [[ -x $bin ]] || continue
+    mode=${run%%_*}
+    [[ $run == chunked_* && $run != chunked_again ]] && bin=$DEV/bin/m3bench_${run#chunked_}
     if timeout 240 "$bin" prefill --config $CONFIG --len "${PREFILL_LENS:-128,512,2048,8192}" \
-        --batch 1,8 --iters 5 --cuda-prefill "${mode%%_*}" --json "$OUT/prefill_$mode.json" 2>&1 |
-        tee "$OUT/prefill_$mode.txt"; then
-      note "m3bench prefill $mode: ok"
+        --batch 1,8 --iters 5 --cuda-prefill "$mode" --json "$OUT/prefill_$run.json" 2>&1 |
+        tee "$OUT/prefill_$run.txt"; then
+      note "m3bench prefill $run: $(awk '$1 == 2048 {printf "2048x%s %s ms; ", $2, $3}' "$OUT/prefill_$run.txt")"
     else
-      fail "m3bench prefill $mode"
+      fail "m3bench prefill $run"
     fi
   done
 }
