@@ -14,6 +14,7 @@
 #   prefill_trace  each kernel's time in a chunked prefill (CUPTI), 2048 tokens at batch 1, 8
 #   prefill_ncu    Nsight Compute on one launch of each chunked-prefill kernel
 #   bench    m3bench decode at batch 1-64 (per kernel) and 64-4096
+#   trace    each kernel's place in the decode graph (CUPTI) at batch 1, 16 and 64
 #   serve    scripts/device_serve_check.sh run with 2048-token prompts, once a line of
 #            SERVE_FLAG_SETS (m3serve flags; default: the defaults, then each prefill path)
 #   realtime scripts/device_serve_check.sh realtime (REALTIME_FLAGS: more m3serve flags)
@@ -178,6 +179,18 @@ run_prefill_ncu() {
       "$OUT/prefill_ncu.txt" | head -150
 }
 
+# m3bench decode at batch 1, 16 and 64 under the CUPTI kernel trace, one
+# kernel_trace_b<batch>.csv each (scripts/kernel_trace_summary.py reads them).
+run_trace() {
+  local b
+  for b in 1 16 64; do
+    M3_TRACE_OUT="$OUT/kernel_trace_b$b.csv" CUDA_INJECTION64_PATH="$DEV/lib/libm3_kernel_trace.so" \
+        LD_LIBRARY_PATH="$LD_LIBRARY_PATH:/usr/local/cuda/extras/CUPTI/lib64" \
+        timeout 120 "$DEV/bin/m3bench" decode --config $CONFIG --batch $b --iters 10 >"$OUT/trace_bench_b$b.txt" 2>&1 ||
+      fail "decode trace batch $b"
+  done
+}
+
 run_bench() {
   timeout 200 "$DEV/bin/m3bench" decode --config $CONFIG --batch 1,2,4,8,16,32,64 \
       --json "$OUT/bench_bf16.json" --per-kernel 2>&1 | tee "$OUT/bench_bf16.txt" >/dev/null ||
@@ -247,6 +260,7 @@ for mode in "$@"; do
     prefill_trace) run_prefill_trace ;;
     prefill_ncu) run_prefill_ncu ;;
     bench) run_bench ;;
+    trace) run_trace ;;
     serve) run_serve ;;
     realtime) run_realtime ;;
     swap) run_swap ;;
