@@ -30,6 +30,11 @@ commands:
       [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P] [--seed S]
       [--stop 7,8] [--request-id ID] [--print auto|ids|text]
       [--allowed all|text|text_and_controls|units|units_and_controls]  (needs the model's vocab.json)
+      [--prefix-snapshot-id ID]  start from a stored state (then the prompt may be left out)
+  create-snapshot --ids 1,2,3 | --text "..." [--base-snapshot-id ID] [--request-id ID]
+      read the prompt into a state (from the base's when given) and store it; prints
+      "snapshot_id ID tokens N bytes B"
+  get-snapshot --id ID | delete-snapshot --id ID   the same line for a stored state
   converse [same sampling options] [--session-id ID] [--print auto|ids|text]
       [--input auto|ids|text]
       each stdin line is one turn; the reply streams back
@@ -193,15 +198,26 @@ int fail_rpc(std::string_view what, const grpc::Status& status) {
   return 1;
 }
 
+// The prompt of --ids or --text into a request's prompt_ids or prompt_text; a prompt may
+// be left out only where `optional` (a request starting from a stored state).
+template <typename Request>
+void fill_prompt(const Flags& flags, const char* command, bool optional, Request* request) {
+  if (flags.has("ids") && flags.has("text")) throw UsageError(std::string(command) + " takes --ids or --text, not both");
+  if (!optional && !flags.has("ids") && !flags.has("text")) {
+    throw UsageError(std::string(command) + " needs exactly one of --ids or --text");
+  }
+  if (const auto ids = flags.find("ids")) {
+    for (int32_t id : m3::client::parse_id_list(*ids)) request->mutable_prompt_ids()->add_ids(id);
+  } else if (const auto text = flags.find("text")) {
+    request->set_prompt_text(std::string(*text));
+    if (!m3::client::valid_utf8(request->prompt_text())) throw UsageError("--text is not valid UTF-8");
+  }
+}
+
 int run_generate(const Flags& flags) {
   m3serve::v1::GenerateRequest request;
-  if (flags.has("ids") == flags.has("text")) throw UsageError("generate needs exactly one of --ids or --text");
-  if (const auto ids = flags.find("ids")) {
-    for (int32_t id : m3::client::parse_id_list(*ids)) request.mutable_prompt_ids()->add_ids(id);
-  } else {
-    request.set_prompt_text(flags.get("text", ""));
-    if (!m3::client::valid_utf8(request.prompt_text())) throw UsageError("--text is not valid UTF-8");
-  }
+  request.set_prefix_snapshot_id(flags.get("prefix-snapshot-id", ""));
+  fill_prompt(flags, "generate", !request.prefix_snapshot_id().empty(), &request);
   request.set_max_new_tokens(static_cast<uint32_t>(flags.get_int("max-new-tokens", 64, 1, UINT32_MAX)));
   request.set_request_id(flags.get("request-id", ""));
   fill_sampling(flags, request.mutable_sampling());
@@ -352,6 +368,44 @@ std::string describe_vocab(const m3serve::v1::ModelInfo& info) {
   return out.empty() ? "nothing named" : out;
 }
 
+void print_snapshot(const m3serve::v1::SnapshotInfo& info) {
+  std::printf("snapshot_id %s tokens %llu bytes %llu\n", info.snapshot_id().c_str(),
+              static_cast<unsigned long long>(info.tokens()), static_cast<unsigned long long>(info.bytes()));
+}
+
+int run_create_snapshot(const Flags& flags) {
+  m3serve::v1::CreateSnapshotRequest request;
+  request.set_base_snapshot_id(flags.get("base-snapshot-id", ""));
+  request.set_request_id(flags.get("request-id", ""));
+  fill_prompt(flags, "create-snapshot", !request.base_snapshot_id().empty(), &request);
+  const CallSettings call = call_settings(flags, std::nullopt);
+  auto stub = m3serve::v1::M3Serve::NewStub(connect(call));
+  grpc::ClientContext context;
+  set_deadline(&context, call);
+  m3serve::v1::SnapshotInfo info;
+  const grpc::Status status = stub->CreateSnapshot(&context, request, &info);
+  if (!status.ok()) return fail_rpc("CreateSnapshot", status);
+  print_snapshot(info);
+  return 0;
+}
+
+// get-snapshot and delete-snapshot: one snapshot by its id.
+int run_snapshot_ref(const Flags& flags, bool remove) {
+  m3serve::v1::SnapshotRef ref;
+  ref.set_snapshot_id(flags.get("id", ""));
+  if (ref.snapshot_id().empty()) throw UsageError(std::string(remove ? "delete" : "get") + "-snapshot needs --id");
+  const CallSettings call = call_settings(flags, std::chrono::seconds(10));
+  auto stub = m3serve::v1::M3Serve::NewStub(connect(call));
+  grpc::ClientContext context;
+  set_deadline(&context, call);
+  m3serve::v1::SnapshotInfo info;
+  const grpc::Status status =
+      remove ? stub->DeleteSnapshot(&context, ref, &info) : stub->GetSnapshot(&context, ref, &info);
+  if (!status.ok()) return fail_rpc(remove ? "DeleteSnapshot" : "GetSnapshot", status);
+  print_snapshot(info);
+  return 0;
+}
+
 int run_info(const Flags& flags) {
   const CallSettings call = call_settings(flags, std::chrono::seconds(10));
   auto stub = m3serve::v1::M3Serve::NewStub(connect(call));
@@ -458,8 +512,14 @@ int main(int argc, char** argv) {
   try {
     if (command == "generate") {
       return run_generate(command_flags(
-          args, options({"ids", "text", "request-id", "print"}, kSamplingOptions), {}));
+          args, options({"ids", "text", "request-id", "print", "prefix-snapshot-id"}, kSamplingOptions), {}));
     }
+    if (command == "create-snapshot") {
+      return run_create_snapshot(
+          command_flags(args, options({"ids", "text", "request-id", "base-snapshot-id"}), {}));
+    }
+    if (command == "get-snapshot") return run_snapshot_ref(command_flags(args, options({"id"}), {}), false);
+    if (command == "delete-snapshot") return run_snapshot_ref(command_flags(args, options({"id"}), {}), true);
     if (command == "converse") {
       return run_converse(
           command_flags(args, options({"session-id", "print", "input"}, kSamplingOptions), {}));

@@ -1,7 +1,8 @@
 // SIGTERM with a persistent store, as an operator sees it: m3serve processes on one
 // snapshot directory; a session waiting between turns when the first one gets SIGTERM
 // ends with UNAVAILABLE and the trailing metadata m3-snapshot-id, and a second m3serve
-// process resumes it and answers its next turn as the session uninterrupted does.
+// process resumes it and answers its next turn as the session uninterrupted does. And
+// m3cli's snapshot commands against such a process.
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <grpcpp/grpcpp.h>
@@ -10,7 +11,9 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <memory>
@@ -66,6 +69,7 @@ class ServerProcess {
     }
   }
   bool serving() const { return port_ > 0; }
+  int port() const { return port_; }
   v1::M3Serve::Stub& stub() { return *stub_; }
   std::string read_log() const {
     std::ifstream in(log_);
@@ -159,6 +163,55 @@ TEST(SnapshotProcess, SigtermSavesASessionBetweenTurnsAndANewProcessResumesItExa
   Session resumed(second.stub(), id);
   EXPECT_EQ(resumed.turn(turns[2]), uninterrupted[2]);
   EXPECT_TRUE(resumed.finish().ok());
+  std::error_code ec;
+  fs::remove_all(scratch, ec);
+}
+
+// m3cli with `args` (shell words); its exit status and stdout (stderr into `err`).
+int m3cli(const fs::path& scratch, const std::string& args, std::string* out, std::string* err) {
+  const fs::path o = scratch / "cli.out", e = scratch / "cli.err";
+  const int status = std::system((std::string(M3_TEST_M3CLI) + " " + args + " >" + o.string() + " 2>" + e.string()).c_str());
+  auto slurp = [](const fs::path& path) {
+    std::ifstream in(path);
+    std::stringstream ss;
+    ss << in.rdbuf();
+    return ss.str();
+  };
+  *out = slurp(o);
+  *err = slurp(e);
+  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+TEST(SnapshotProcess, M3cliStoresAPrefixAndGeneratesFromItAsFromTheWholePrompt) {
+  const fs::path scratch = fs::temp_directory_path() / ("m3serve-snapshot-cli-" + std::to_string(getpid()));
+  fs::create_directories(scratch);
+  ServerProcess server(scratch, "server");
+  ASSERT_TRUE(server.serving()) << server.read_log();
+  const std::string at = "--server 127.0.0.1:" + std::to_string(server.port()) + " ";
+  std::string out, err;
+  ASSERT_EQ(m3cli(scratch, at + "create-snapshot --ids 1,2,3,4,5,6,7,8,9,10", &out, &err), 0) << err;
+  std::istringstream line(out);
+  std::string word, id, tokens_word;
+  uint64_t tokens = 0;
+  line >> word >> id >> tokens_word >> tokens;
+  ASSERT_EQ(word, "snapshot_id") << out;
+  EXPECT_EQ(tokens, 10u) << out;
+
+  std::string whole, from_prefix;
+  ASSERT_EQ(m3cli(scratch, at + "generate --ids 1,2,3,4,5,6,7,8,9,10,11,12 --max-new-tokens 16 --print ids", &whole,
+                  &err), 0) << err;
+  ASSERT_EQ(m3cli(scratch, at + "generate --prefix-snapshot-id " + id + " --ids 11,12 --max-new-tokens 16 --print ids",
+                  &from_prefix, &err), 0) << err;
+  EXPECT_EQ(from_prefix, whole);
+  EXPECT_EQ(std::count(whole.begin(), whole.end(), ' '), 15) << whole;  // 16 ids
+
+  ASSERT_EQ(m3cli(scratch, at + "get-snapshot --id " + id, &out, &err), 0) << err;
+  EXPECT_EQ(out.rfind("snapshot_id " + id + " tokens 10 bytes ", 0), 0u) << out;
+  ASSERT_EQ(m3cli(scratch, at + "delete-snapshot --id " + id, &out, &err), 0) << err;
+  EXPECT_EQ(m3cli(scratch, at + "get-snapshot --id " + id, &out, &err), 1);
+  EXPECT_NE(err.find("GetSnapshot failed: NOT_FOUND"), std::string::npos) << err;
+  EXPECT_EQ(m3cli(scratch, at + "get-snapshot", &out, &err), 2);
+  EXPECT_NE(err.find("get-snapshot needs --id"), std::string::npos) << err;
   std::error_code ec;
   fs::remove_all(scratch, ec);
 }
