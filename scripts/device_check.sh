@@ -19,6 +19,8 @@
 #            SERVE_FLAG_SETS (m3serve flags; default: the defaults, then each prefill path)
 #   realtime scripts/device_serve_check.sh realtime (REALTIME_FLAGS: more m3serve flags)
 #   swap     scripts/device_serve_check.sh swap: idle sessions out of 8 slots and back
+#   snapshot scripts/device_serve_check.sh snapshot: Generate from a stored prefix
+#   variant_tests  only the packed variants' test binaries (VARIANT_BINS)
 # Logs go under $OUT (or ./device-out); a summary is printed last; exit 1 when anything
 # failed.
 set -u -o pipefail
@@ -89,7 +91,7 @@ run_tests() {
   local t log
   local all=""
   for t in $GTESTS; do
-    all+=" $(basename "$t")"
+    [[ -n ${VARIANTS_ONLY:-} ]] || all+=" $(basename "$t")"
     for v in "$DEV/bin/$(basename "$t")"_*; do [[ -x $v ]] && all+=" ${v##*/}"; done
   done
   for t in $all; do
@@ -101,6 +103,7 @@ run_tests() {
       grep -B2 -A8 -E 'Failure$' "$log" | head -60
     fi
   done
+  [[ -n ${VARIANTS_ONLY:-} ]] && return
   local name pass args out rc
   while IFS='|' read -r name pass args; do
     # shellcheck disable=SC2086  # the arguments are words
@@ -136,7 +139,7 @@ run_ab() {
 # (VARIANT_BINS), then this tree's again, so that drift shows.
 run_prefill() {
   local run bin mode
-  local runs="chunked steps"
+  local runs=${PREFILL_RUNS:-chunked steps}
   for bin in "$DEV"/bin/m3bench_*; do [[ -x $bin ]] && runs+=" chunked_${bin##*/m3bench_}"; done
   for run in $runs chunked_again; do
     bin=$DEV/bin/m3bench
@@ -229,6 +232,14 @@ run_realtime() {
   fi
 }
 
+run_snapshot() {
+  if M3_SERVE_BIN=$DEV/bin timeout 200 "$ROOT/scripts/device_serve_check.sh" snapshot 2>&1 | tee "$OUT/snapshot.txt"; then
+    note "$(grep -E '^snapshot' "$OUT/snapshot.txt" | tr '\n' ' ')"
+  else
+    fail "snapshot"
+  fi
+}
+
 run_swap() {
   if M3_SERVE_BIN=$DEV/bin timeout 200 "$ROOT/scripts/device_serve_check.sh" swap 2>&1 | tee "$OUT/swap.txt"; then
     note "swap: $(grep -E '^swap-ins|same with' "$OUT/swap.txt" | tr '\n' ' ')"
@@ -264,6 +275,8 @@ for mode in "$@"; do
     serve) run_serve ;;
     realtime) run_realtime ;;
     swap) run_swap ;;
+    snapshot) run_snapshot ;;
+    variant_tests) VARIANTS_ONLY=1 run_tests ;;
     *) fail "unknown mode $mode" ;;
   esac
   note "($mode took $((SECONDS - start)) s)"

@@ -10,6 +10,7 @@
 # /metrics, then stops the server with SIGTERM and reports its exit status.
 # M3_SERVE_BACKEND=cpu runs the same on the CPU engine (to try the script without a GPU).
 # `swap`: idle Converse sessions swapped out of 8 slots and back (needs M3_SERVE_BIN).
+# `snapshot`: Generate from a stored prefix against the whole prompt (needs M3_SERVE_BIN).
 # `realtime` serves the same model with max_batch auto and runs `m3bench realtime` (Generate,
 # then --duplex) at M3_RT_STREAMS / M3_RT_DUPLEX_STREAMS streams of 100 tokens/s, JSON under
 # $OUT (scripts/plot_bench.py realtime plots them).
@@ -157,8 +158,38 @@ PY
   for k in $(seq 100); do cmp -s "$D/swap/$k.txt" "$D/noswap/$k.txt" && same=$((same + 1)); done
   echo "replies the same with and without swapping: $same of 100 sessions"
   ;;
+snapshot)
+  # A stored prefix on the GPU: Generate from a snapshot of the first 30 prompt ids plus
+  # the last 10 against the whole 40-id prompt read from scratch (greedy, 32 new tokens),
+  # with prompts read by decode steps, by the defaults, and every input by chunked prefill.
+  OUT=${OUT:-$PWD/device-out}
+  mkdir -p "$OUT"
+  D=$(mktemp -d)
+  for b in m3make m3serve m3cli; do ln -s "$M3_SERVE_BIN/$b" "$D/$b"; done
+  "$D/m3make" --config "$ROOT/configs/models/s2s-14l.json" --seed 1 --dtype bf16 --out "$D/s2s" \
+      >"$OUT/make.log" 2>&1 || { cat "$OUT/make.log"; exit 1; }
+  whole=$(seq -s, 1 40) prefix=$(seq -s, 1 30) rest=$(seq -s, 31 40)
+  while IFS= read -r flags; do
+    # shellcheck disable=SC2086
+    "$D/m3serve" --backend cuda --model "$D/s2s" --max-batch 8 $flags --listen 127.0.0.1:50051 \
+        --metrics-listen "" >"$OUT/serve_snapshot.log" 2>&1 &
+    server=$!
+    for _ in $(seq 120); do "$D/m3cli" health >/dev/null 2>&1 && break; sleep 0.5; done
+    from_scratch=$("$D/m3cli" generate --ids "$whole" --max-new-tokens 32 --print ids 2>/dev/null)
+    id=$("$D/m3cli" create-snapshot --ids "$prefix" | awk '{print $2}')
+    from_snapshot=$("$D/m3cli" generate --prefix-snapshot-id "$id" --ids "$rest" --max-new-tokens 32 --print ids 2>/dev/null)
+    verdict=DIFFERENT
+    [[ -n $from_scratch && $from_scratch == "$from_snapshot" ]] && verdict=same
+    echo "snapshot (${flags:-defaults}): prefix + rest gives the ${verdict} 32 tokens as the whole prompt"
+    [[ $verdict == same ]] || echo "  scratch: $from_scratch"$'\n'"  from snapshot $id: $from_snapshot"
+    kill -TERM "$server"
+    wait "$server"
+  done <<<"--cuda-prefill steps
+
+--prefill-min-tokens 1"
+  ;;
 *)
-  echo "usage: $0 pack [BUILD_DIR] | run | realtime | swap" >&2
+  echo "usage: $0 pack [BUILD_DIR] | run | realtime | swap | snapshot" >&2
   exit 2
   ;;
 esac
