@@ -61,8 +61,9 @@ const std::vector<Setting>& settings() {
        "prompt and Converse input tokens read by prefill per scheduler iteration, between the "
        "decode steps of the running streams; 0: one decode step per input token"},
       {"prefill_min_tokens", &ServerConfig::prefill_min_tokens,
-       "unread input shorter than this (a Converse frame, a short prompt) is read by decode "
-       "steps beside the replying streams instead of by prefill; 1: all input by prefill"},
+       "Converse input shorter than this (a frame of speech units) is read by decode steps "
+       "beside the replying streams instead of by prefill; 1: all input by prefill (Generate "
+       "prompts always are)"},
       {"max_new_tokens_limit", &ServerConfig::max_new_tokens_limit,
        "largest max_new_tokens a request may ask"},
       {"max_prompt_tokens", &ServerConfig::max_prompt_tokens,

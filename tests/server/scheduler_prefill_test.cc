@@ -233,17 +233,30 @@ TEST(SchedulerPrefillTest, APromptIsReadInChunksOfTheBudget) {
   }
 }
 
-TEST(SchedulerPrefillTest, InputShorterThanTheMinimumRidesTheDecodeSteps) {
+TEST(SchedulerPrefillTest, ConverseInputShorterThanTheMinimumRidesTheDecodeSteps) {
   RecordingEngine engine(1);
   SchedulerOptions options = chunked(8);
   options.prefill_min_tokens = 5;
   Scheduler scheduler(engine, options, nullptr, nullptr);
-  auto a = start(scheduler, iota(100, 3), 2);  // 3 tokens: all by decode steps
-  EXPECT_EQ(a->wait_closed(), StreamStatus::kOk);
-  EXPECT_EQ(a->got(), (std::vector<int32_t>{103, 104}));
-  auto b = start(scheduler, iota(200, 12), 2);  // 8 by prefill, then 4 left: by decode steps
-  EXPECT_EQ(b->wait_closed(), StreamStatus::kOk);
-  EXPECT_EQ(b->got(), (std::vector<int32_t>{212, 213}));
+  auto converse = [&](std::vector<int32_t> input, uint32_t max_new) {
+    auto session = std::make_unique<CollectingWriter>();
+    SequenceParams params;
+    params.session = true;
+    session->seq = std::make_shared<Sequence>(params, 4096, session.get());
+    EXPECT_EQ(scheduler.submit(session->seq).status, StreamStatus::kOk);
+    session->seq->add_input(input);
+    session->seq->end_turn(max_new);
+    session->seq->close_input();
+    scheduler.wake();
+    EXPECT_EQ(session->wait_closed(), StreamStatus::kOk);
+    return session->got();
+  };
+  EXPECT_EQ(converse(iota(100, 3), 2), (std::vector<int32_t>{103, 104}));  // 3 tokens: by decode steps
+  EXPECT_EQ(converse(iota(200, 12), 2), (std::vector<int32_t>{212, 213}));  // 8 by prefill, 4 by steps
+  // A Generate prompt is read by prefill however short.
+  auto g = start(scheduler, iota(300, 3), 1);
+  EXPECT_EQ(g->wait_closed(), StreamStatus::kOk);
+  EXPECT_EQ(g->got(), (std::vector<int32_t>{303}));
   std::vector<std::vector<int32_t>> prefilled;
   std::vector<int32_t> stepped;
   for (const auto& call : engine.calls()) {
@@ -255,8 +268,9 @@ TEST(SchedulerPrefillTest, InputShorterThanTheMinimumRidesTheDecodeSteps) {
       }
     }
   }
-  EXPECT_EQ(prefilled, (std::vector<std::vector<int32_t>>{iota(200, 8)}));
-  EXPECT_EQ(stepped, (std::vector<int32_t>{100, 101, 102, 208, 209, 210, 211}));
+  EXPECT_EQ(prefilled, (std::vector<std::vector<int32_t>>{iota(200, 8), iota(300, 3)}));
+  // A session also reads each reply's last token after it (104, 213): one token, a step.
+  EXPECT_EQ(stepped, (std::vector<int32_t>{100, 101, 102, 104, 208, 209, 210, 211, 213}));
 }
 
 TEST(SchedulerPrefillTest, AnEngineWithoutAPrefillPathReadsPromptsByDecodeSteps) {

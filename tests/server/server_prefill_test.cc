@@ -73,7 +73,8 @@ TEST(PrefillServing, GenerateStreamsTheSameTokensWithAndWithoutPrefill) {
         << "request " << i;
   }
   for (const int chunk : {4, 512}) {
-    // All input by prefill, and the default split: runs shorter than 32 tokens by steps.
+    // prefill_min_tokens applies to Converse input only: Generate prompts go by prefill with
+    // either.
     for (const int min_tokens : {1, ServerConfig{}.prefill_min_tokens}) {
       SCOPED_TRACE("prefill_chunk_tokens " + std::to_string(chunk) + ", prefill_min_tokens " +
                    std::to_string(min_tokens));
