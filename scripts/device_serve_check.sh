@@ -18,6 +18,17 @@ set -u -o pipefail
 MODE=${1:-}
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 
+# For the modes that take M3_SERVE_BIN: $OUT, a scratch folder $D with the binaries linked
+# in, and the random bf16 s2s-14l model written to $D/s2s.
+prepare_model() {
+  OUT=${OUT:-$PWD/device-out}
+  mkdir -p "$OUT"
+  D=$(mktemp -d)
+  for b in m3make m3serve m3cli; do ln -s "$M3_SERVE_BIN/$b" "$D/$b"; done
+  "$D/m3make" --config "$ROOT/configs/models/s2s-14l.json" --seed 1 --dtype bf16 --out "$D/s2s" \
+      >"$OUT/make.log" 2>&1 || { cat "$OUT/make.log"; exit 1; }
+}
+
 case $MODE in
 pack)
   BUILD=${2:-$ROOT/build}
@@ -111,12 +122,7 @@ swap)
   # its slot and comes back), the sessions' starts 50 ms apart; then again with a slot for
   # every session and no swapping. Reports the swap-in histogram and whether every
   # session's replies are the same in both runs.
-  OUT=${OUT:-$PWD/device-out}
-  mkdir -p "$OUT"
-  D=$(mktemp -d)
-  for b in m3make m3serve m3cli; do ln -s "$M3_SERVE_BIN/$b" "$D/$b"; done
-  "$D/m3make" --config "$ROOT/configs/models/s2s-14l.json" --seed 1 --dtype bf16 --out "$D/s2s" \
-      >"$OUT/make.log" 2>&1 || { cat "$OUT/make.log"; exit 1; }
+  prepare_model
   for mode in swap noswap; do
     if [[ $mode == swap ]]; then flags="--max-batch 8 --session-swap-after-s 0.2 --max-sessions 128 --queue-capacity 128"
     else flags="--max-batch 128 --session-swap-after-s 0"; fi
@@ -162,12 +168,7 @@ snapshot)
   # A stored prefix on the GPU: Generate from a snapshot of the first 30 prompt ids plus
   # the last 10 against the whole 40-id prompt read from scratch (greedy, 32 new tokens),
   # with prompts read by decode steps, by the defaults, and every input by chunked prefill.
-  OUT=${OUT:-$PWD/device-out}
-  mkdir -p "$OUT"
-  D=$(mktemp -d)
-  for b in m3make m3serve m3cli; do ln -s "$M3_SERVE_BIN/$b" "$D/$b"; done
-  "$D/m3make" --config "$ROOT/configs/models/s2s-14l.json" --seed 1 --dtype bf16 --out "$D/s2s" \
-      >"$OUT/make.log" 2>&1 || { cat "$OUT/make.log"; exit 1; }
+  prepare_model
   whole=$(seq -s, 1 40) prefix=$(seq -s, 1 30) rest=$(seq -s, 31 40)
   while IFS= read -r flags; do
     # shellcheck disable=SC2086
