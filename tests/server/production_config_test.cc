@@ -3,7 +3,7 @@
 #include <gtest/gtest.h>
 
 #include "server/server_config.h"
-#include "tests/error_of.h"
+#include "tests/server/config_test_support.h"
 #include "tests/server/security_test_support.h"
 
 namespace m3 {
@@ -11,14 +11,9 @@ namespace {
 
 template <typename F>
 std::string error_of(F&& f) {
-  return test::error_of<std::invalid_argument>(f);
+  return test::config_error_of(f);
 }
-
-ServerConfig from_yaml(const std::string& text) {
-  ServerConfig c = parse_server_config_yaml(text, "server.yaml");
-  c.validate();
-  return c;
-}
+using test::from_yaml;
 
 TEST(ProductionConfigTest, DefaultsListenOnLoopbackWithADrainDelay) {
   const ServerConfig c;

@@ -20,6 +20,7 @@
 #include "model/weights.h"
 #include "server/metrics.h"
 #include "server/scheduler.h"
+#include "collecting_writer.h"
 
 namespace m3 {
 namespace {
@@ -138,52 +139,7 @@ class RecordingEngine final : public Engine {
   bool held_ = false, held_entered_ = false;
 };
 
-// Drains its sequence's outbox like a stream whose writes complete at once.
-class CollectingWriter final : public StreamWriter {
- public:
-  std::shared_ptr<Sequence> seq;
-  std::string message() {
-    std::lock_guard lock(mu_);
-    return message_;
-  }
-  void flush() override {
-    std::vector<int32_t> tokens;
-    for (;;) {
-      TokenOutbox::Item item = seq->outbox().take(&tokens);
-      std::lock_guard lock(mu_);
-      if (item.kind == TokenOutbox::Item::kNothing) return;
-      if (item.kind == TokenOutbox::Item::kTokens) got_.insert(got_.end(), tokens.begin(), tokens.end());
-      if (item.kind == TokenOutbox::Item::kClosed) {
-        status_ = item.status;
-        message_ = item.message;
-        closed_ = true;
-        cv_.notify_all();
-        return;
-      }
-    }
-  }
-  StreamStatus wait_closed() {
-    std::unique_lock lock(mu_);
-    EXPECT_TRUE(cv_.wait_for(lock, 20s, [&] { return closed_; }));
-    return status_;
-  }
-  size_t count() {
-    std::lock_guard lock(mu_);
-    return got_.size();
-  }
-  std::vector<int32_t> got() {
-    std::lock_guard lock(mu_);
-    return got_;
-  }
-
- private:
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::vector<int32_t> got_;
-  bool closed_ = false;
-  StreamStatus status_ = StreamStatus::kOk;
-  std::string message_;
-};
+using m3::testing::CollectingWriter;
 
 std::unique_ptr<CollectingWriter> start(Scheduler& scheduler, std::vector<int32_t> prompt, uint32_t max_new,
                                         SamplingParams sampling = {}) {

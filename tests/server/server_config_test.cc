@@ -6,22 +6,16 @@
 #include <fstream>
 
 #include "server/server_config.h"
-#include "tests/error_of.h"
+#include "tests/server/config_test_support.h"
 
 namespace m3 {
 namespace {
 
-// Every refusal here is a std::invalid_argument.
 template <typename F>
 std::string error_of(F&& f) {
-  return test::error_of<std::invalid_argument>(f);
+  return test::config_error_of(f);
 }
-
-ServerConfig from_yaml(const std::string& text) {
-  ServerConfig c = parse_server_config_yaml(text, "server.yaml");
-  c.validate();
-  return c;
-}
+using test::from_yaml;
 
 TEST(ServerConfigTest, ReadsEveryKindOfValue) {
   ServerConfig c = from_yaml(
