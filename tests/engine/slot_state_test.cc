@@ -13,11 +13,17 @@
 #include "model/cpu/cpu_engine.h"
 #include "model/engine.h"
 #include "model/weights.h"
+#include "engine_steps.h"
 #include "test_models.h"
 #include "tests/error_of.h"
 
 namespace m3 {
 namespace {
+
+using testing::decode;
+using testing::saved;
+using testing::step1;
+using testing::feed;
 
 using testing::ScratchDir;
 using ::testing::HasSubstr;
@@ -34,27 +40,6 @@ class SlotStateTest : public ::testing::Test {
     o.max_slots = slots;
     o.cpu_threads = 2;
     return make_cpu_engine(*weights_, o);
-  }
-  static int32_t step1(Engine& e, int slot, int32_t token) {
-    int32_t s = -1;
-    const int32_t slots[] = {slot};
-    const int32_t tokens[] = {token};
-    e.step(slots, tokens, std::span<int32_t>(&s, 1));
-    return s;
-  }
-  static std::vector<std::byte> saved(Engine& e, int slot) {
-    std::vector<std::byte> b(e.slot_state_bytes());
-    e.save_slot(slot, b);
-    return b;
-  }
-  // Feeds a prompt, then `n` continuations; returns the continuations' samples.
-  static std::vector<int32_t> decode(Engine& e, int slot, int n) {
-    std::vector<int32_t> out;
-    for (int i = 0; i < n; ++i) out.push_back(step1(e, slot, kContinueToken));
-    return out;
-  }
-  static void feed(Engine& e, int slot, const std::vector<int32_t>& prompt) {
-    for (int32_t t : prompt) step1(e, slot, t);
   }
 
   std::unique_ptr<ScratchDir> dir_;

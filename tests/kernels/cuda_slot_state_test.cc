@@ -13,10 +13,15 @@
 #include "gpu_test_util.h"
 #include "model/cuda/cuda_engine.h"
 #include "model/weights.h"
+#include "engine_steps.h"
 #include "test_models.h"
 
 namespace m3 {
 namespace {
+
+using testing::decode;
+using testing::saved;
+using testing::step1;
 
 using testing::ScratchDir;
 
@@ -34,23 +39,6 @@ class CudaSlotState : public ::testing::Test {
     o.weight_dtype = dtype;
     o.deterministic = true;  // bitwise-repeatable steps, so that two runs can be compared
     return make_cuda_engine(*weights_, o);
-  }
-  static int32_t step1(Engine& e, int slot, int32_t token) {
-    int32_t s = -1;
-    const int32_t slots[] = {slot};
-    const int32_t tokens[] = {token};
-    e.step(slots, tokens, std::span<int32_t>(&s, 1));
-    return s;
-  }
-  static std::vector<std::byte> saved(Engine& e, int slot) {
-    std::vector<std::byte> b(e.slot_state_bytes());
-    e.save_slot(slot, b);
-    return b;
-  }
-  static std::vector<int32_t> decode(Engine& e, int slot, int n) {
-    std::vector<int32_t> out;
-    for (int i = 0; i < n; ++i) out.push_back(step1(e, slot, kContinueToken));
-    return out;
   }
 
   std::unique_ptr<ScratchDir> dir_;
