@@ -19,6 +19,7 @@
 #include "tests/server/m3serve_child.h"
 #include "tests/server/security_test_support.h"
 #include "tests/server/server_test_support.h"
+#include "tests/server/status_labels.h"
 
 namespace m3::test {
 namespace {
@@ -29,19 +30,7 @@ using SteadyClock = std::chrono::steady_clock;
 constexpr auto kWarmUp = 15s;  // (gRPC's and malloc's pools reach their size)
 constexpr auto kWindow = 15s;  // two windows after the warm-up are compared
 
-std::string status_name(grpc::StatusCode code) {
-  switch (code) {
-    case grpc::StatusCode::OK: return "ok";
-    case grpc::StatusCode::CANCELLED: return "cancelled";
-    case grpc::StatusCode::INVALID_ARGUMENT: return "invalid_argument";
-    case grpc::StatusCode::RESOURCE_EXHAUSTED: return "resource_exhausted";
-    case grpc::StatusCode::DEADLINE_EXCEEDED: return "deadline_exceeded";
-    case grpc::StatusCode::INTERNAL: return "internal";
-    case grpc::StatusCode::UNAVAILABLE: return "unavailable";
-    case grpc::StatusCode::UNAUTHENTICATED: return "unauthenticated";
-    default: return "unknown";
-  }
-}
+using test::status_label;
 
 struct Sample {
   double rss_kib = 0;
@@ -83,7 +72,7 @@ class Tallies {
  public:
   void add(grpc::StatusCode code) {
     std::lock_guard lock(mu_);
-    ++by_status_[status_name(code)];
+    ++by_status_[status_label(code)];
   }
   std::map<std::string, double> get() {
     std::lock_guard lock(mu_);

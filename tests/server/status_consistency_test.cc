@@ -12,6 +12,7 @@
 #include "server/unparsable_message.h"
 #include "tests/server/security_test_support.h"
 #include "tests/server/server_test_support.h"
+#include "tests/server/status_labels.h"
 
 namespace m3::test {
 namespace {
@@ -20,19 +21,7 @@ using namespace std::chrono_literals;
 
 const std::vector<int32_t> kPrompt = {17, 3, 250, 99, 4, 411};
 
-std::string status_name(grpc::StatusCode code) {
-  switch (code) {
-    case grpc::StatusCode::OK: return "ok";
-    case grpc::StatusCode::CANCELLED: return "cancelled";
-    case grpc::StatusCode::INVALID_ARGUMENT: return "invalid_argument";
-    case grpc::StatusCode::RESOURCE_EXHAUSTED: return "resource_exhausted";
-    case grpc::StatusCode::DEADLINE_EXCEEDED: return "deadline_exceeded";
-    case grpc::StatusCode::INTERNAL: return "internal";
-    case grpc::StatusCode::UNAVAILABLE: return "unavailable";
-    case grpc::StatusCode::UNAUTHENTICATED: return "unauthenticated";
-    default: return "unknown";
-  }
-}
+using test::status_label;
 
 // Counters and log lines by status, to compare before and after one call.
 struct Tally {
@@ -58,7 +47,7 @@ Tally tally(TestServer& server) {
 // After one call that ended with `code` at the client: exactly one call more is counted
 // and logged, under that status.
 void expect_recorded_as(TestServer& server, const Tally& before, grpc::StatusCode code, const std::string& what) {
-  const std::string name = status_name(code);
+  const std::string name = status_label(code);
   Tally after;
   const bool recorded = eventually_true([&] {
     after = tally(server);
