@@ -202,9 +202,9 @@ int fail_rpc(std::string_view what, const grpc::Status& status) {
 // be left out only where `optional` (a request starting from a stored state).
 template <typename Request>
 void fill_prompt(const Flags& flags, const char* command, bool optional, Request* request) {
-  if (flags.has("ids") && flags.has("text")) throw UsageError(std::string(command) + " takes --ids or --text, not both");
-  if (!optional && !flags.has("ids") && !flags.has("text")) {
-    throw UsageError(std::string(command) + " needs exactly one of --ids or --text");
+  if ((flags.has("ids") && flags.has("text")) || (!optional && !flags.has("ids") && !flags.has("text"))) {
+    throw UsageError(std::string(command) + " needs exactly one of --ids or --text" +
+                     (optional ? "" : " (or neither, starting from a snapshot)"));
   }
   if (const auto ids = flags.find("ids")) {
     for (int32_t id : m3::client::parse_id_list(*ids)) request->mutable_prompt_ids()->add_ids(id);

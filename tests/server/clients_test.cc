@@ -371,6 +371,12 @@ TEST(M3cli, UsageMistakesExitTwoWithTheReason) {
   run = m3cli("generate --ids 1 --text hi");
   EXPECT_EQ(run.exit_code, 2);
   EXPECT_TRUE(contains(run.err, "exactly one of --ids or --text")) << run.err;
+  run = m3cli("generate --max-new-tokens 3");
+  EXPECT_EQ(run.exit_code, 2);
+  EXPECT_TRUE(contains(run.err, "exactly one of --ids or --text (or neither, starting from a snapshot)")) << run.err;
+  run = m3cli("create-snapshot --ids 1 --text hi");
+  EXPECT_EQ(run.exit_code, 2);
+  EXPECT_TRUE(contains(run.err, "create-snapshot needs exactly one of --ids or --text")) << run.err;
   run = m3cli("generate --ids 1 --max-new-tokens 0");
   EXPECT_EQ(run.exit_code, 2);
   EXPECT_TRUE(contains(run.err, "--max-new-tokens: 0 is outside")) << run.err;
