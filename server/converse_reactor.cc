@@ -189,6 +189,7 @@ bool ConverseReactor::start_session() {
   SequenceParams params;
   params.request_id = session_id_;
   params.session = true;
+  params.streamed_input = true;
   params.sampling = engine_sampling(config_.sampling());
   params.sampling.mask = sampling_mask_;
   params.end_of_reply_id = ctx_.end_of_reply_id;

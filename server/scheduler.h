@@ -74,12 +74,12 @@ struct SchedulerOptions {
   // max_prefill_tokens() where that is less); 0, or an engine without a prefill path of
   // its own (Engine::has_prefill_path()): every input token is one decode step.
   int prefill_chunk_tokens = 0;
-  // With prefill on: a Converse session whose unread input is shorter than this reads it
-  // by decode steps instead, one token a step beside the replying streams (input that
-  // arrives a frame at a time costs them nothing that way, where each prefill() call holds
-  // every stream for a round trip); 1: all input through prefill(). A Generate prompt is
-  // read whole by prefill, so that a prompt and a stored prefix of it plus the rest take
-  // the same arithmetic.
+  // With prefill on: a sequence with streamed input (Converse) whose unread input is
+  // shorter than this reads it by decode steps instead, one token a step beside the
+  // replying streams (input that arrives a frame at a time costs them nothing that way,
+  // where each prefill() call holds every stream for a round trip); 1: all input through
+  // prefill(). A prompt given whole (Generate, CreateSnapshot) is read by prefill, so that
+  // a prompt and a stored prefix of it plus the rest take the same arithmetic.
   int prefill_min_tokens = 1;
   // Called once, on the engine thread, when a failed step leaves the engine unable to run
   // more (Engine::failure()); the server then reports NOT_SERVING. From then on requests
@@ -249,10 +249,10 @@ class Scheduler {
   SubmittedStep* submitted_after_ = nullptr;  // while collecting: the step submitted after it
   // Input tokens per iteration through prefill(); 0: through decode steps.
   const int prefill_chunk_;
-  // The slot's unread input goes through prefill() (prefill on, and for a session at
+  // The slot's unread input goes through prefill() (prefill on, and for streamed input at
   // least prefill_min_tokens of it), not through decode steps.
   bool reads_by_prefill(const Slot& s) const {
-    return prefill_chunk_ > 0 && (!s.seq->params().session ||
+    return prefill_chunk_ > 0 && (!s.seq->params().streamed_input ||
                                   s.feed.size() - s.fed >= static_cast<size_t>(options_.prefill_min_tokens));
   }
   // prefill(): the slots in the order they are served, the runs and their samples; and

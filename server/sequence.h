@@ -49,6 +49,9 @@ struct SequenceState {
 struct SequenceParams {
   std::string request_id;
   bool session = false;  // Converse: the slot stays with the client across turns
+  // Converse: input arrives in pieces as the client speaks; a short piece rides the decode
+  // steps (SchedulerOptions::prefill_min_tokens) instead of a prefill call of its own.
+  bool streamed_input = false;
   SamplingParams sampling;
   std::vector<int32_t> stop_token_ids;
   int32_t end_of_reply_id = -1;  // emitting it ends the reply (FinishReason::kEndOfReply); -1: none

@@ -63,7 +63,7 @@ const std::vector<Setting>& settings() {
       {"prefill_min_tokens", &ServerConfig::prefill_min_tokens,
        "Converse input shorter than this (a frame of speech units) is read by decode steps "
        "beside the replying streams instead of by prefill; 1: all input by prefill (Generate "
-       "prompts always are)"},
+       "and CreateSnapshot prompts always are)"},
       {"max_new_tokens_limit", &ServerConfig::max_new_tokens_limit,
        "largest max_new_tokens a request may ask"},
       {"max_prompt_tokens", &ServerConfig::max_prompt_tokens,

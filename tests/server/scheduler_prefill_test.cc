@@ -198,6 +198,7 @@ TEST(SchedulerPrefillTest, ConverseInputShorterThanTheMinimumRidesTheDecodeSteps
     auto session = std::make_unique<CollectingWriter>();
     SequenceParams params;
     params.session = true;
+    params.streamed_input = true;
     session->seq = std::make_shared<Sequence>(params, 4096, session.get());
     EXPECT_EQ(scheduler.submit(session->seq).status, StreamStatus::kOk);
     session->seq->add_input(input);
@@ -227,6 +228,34 @@ TEST(SchedulerPrefillTest, ConverseInputShorterThanTheMinimumRidesTheDecodeSteps
   EXPECT_EQ(prefilled, (std::vector<std::vector<int32_t>>{iota(200, 8), iota(300, 3)}));
   // A session also reads each reply's last token after it (104, 213): one token, a step.
   EXPECT_EQ(stepped, (std::vector<int32_t>{100, 101, 102, 104, 208, 209, 210, 211, 213}));
+}
+
+TEST(SchedulerPrefillTest, ASessionGivenItsInputWholeReadsItByPrefillHoweverShort) {
+  // As CreateSnapshot's sequence: a session (it stays for the save) whose input is not
+  // streamed.
+  RecordingEngine engine(1);
+  SchedulerOptions options = chunked(8);
+  options.prefill_min_tokens = 5;
+  Scheduler scheduler(engine, options, nullptr, nullptr);
+  auto session = std::make_unique<CollectingWriter>();
+  SequenceParams params;
+  params.session = true;
+  session->seq = std::make_shared<Sequence>(params, 4096, session.get());
+  ASSERT_EQ(scheduler.submit(session->seq).status, StreamStatus::kOk);
+  session->seq->add_input(iota(100, 3));
+  session->seq->end_turn(1);
+  session->seq->close_input();
+  scheduler.wake();
+  EXPECT_EQ(session->wait_closed(), StreamStatus::kOk);
+  EXPECT_EQ(session->got(), (std::vector<int32_t>{103}));
+  const auto calls = engine.calls();
+  ASSERT_FALSE(calls.empty());
+  EXPECT_TRUE(calls.front().prefill);
+  EXPECT_EQ(calls.front().slots.at(0).second, iota(100, 3));
+  for (const auto& call : calls) {
+    if (call.prefill) continue;
+    for (const auto& [slot, tokens] : call.slots) EXPECT_EQ(tokens[0], kContinueToken);
+  }
 }
 
 TEST(SchedulerPrefillTest, AnEngineWithoutAPrefillPathReadsPromptsByDecodeSteps) {
