@@ -18,6 +18,7 @@
 #include "kernels/weight_dtype.h"
 #include "model/config.h"
 #include "model/cuda_policy.h"
+#include "model/host_state_buffer.h"
 #include "model/sampling_mask.h"
 
 namespace m3 {
@@ -145,7 +146,11 @@ class Engine {
   virtual size_t slot_state_bytes() const = 0;
   virtual void save_slot(int slot, std::span<std::byte> out) = 0;
   virtual void load_slot(int slot, std::span<const std::byte> in) = 0;
-
+  // Host memory for one slot's state that save_slot and load_slot copy fastest (the CUDA
+  // engine: page-locked, copied by one DMA with no staging; it falls back to plain memory
+  // when the system refuses to lock more). Slow to make: callers that copy states often
+  // (the scheduler's idle sessions) keep theirs for reuse. This default: plain memory.
+  virtual HostStateBuffer allocate_host_state() const { return HostStateBuffer::plain(slot_state_bytes()); }
 
   // Choices the engine made at load that operators may want to see (the CUDA engine: the
   // batch-1 and batch-2 step variants it measured fastest); empty when there are none.

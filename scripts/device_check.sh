@@ -196,7 +196,7 @@ run_trace() {
 
 run_bench() {
   timeout 200 "$DEV/bin/m3bench" decode --config $CONFIG --batch 1,2,4,8,16,32,64 \
-      --json "$OUT/bench_bf16.json" --per-kernel 2>&1 | tee "$OUT/bench_bf16.txt" >/dev/null ||
+      --json "$OUT/bench_bf16.json" --per-kernel --slot-copies 2>&1 | tee "$OUT/bench_bf16.txt" >/dev/null ||
     fail "m3bench decode bf16"
   # Capacity: every bucket from 64 to 4096 (4,096 fp32 states are 56 GB).
   timeout 300 "$DEV/bin/m3bench" decode --config $CONFIG --batch 64,128,256,512,1024,2048,4096 \

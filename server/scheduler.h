@@ -216,7 +216,7 @@ class Scheduler {
   // Sessions off the slots (scheduler_swap.cc).
   struct SwappedSession {
     Slot slot;  // as it left its slot (seq included)
-    std::vector<std::byte> state;
+    HostStateBuffer state;  // from state_buffers_ (Engine::allocate_host_state)
     bool wants_in = false;  // its next input arrived
     Clock::time_point wanted_since;
     bool shutdown_saving = false;
@@ -265,6 +265,13 @@ class Scheduler {
   std::vector<std::shared_ptr<Sequence>> admitted_, rejected_;
   std::vector<std::pair<int, size_t>> prefix_saves_;  // slot, tokens: states to keep after submit
   std::vector<SwappedSession> swapped_;
+  // Host buffers for swapped states no session holds now, reused by the next swap-out:
+  // making one (page locking, on the CUDA engine) takes longer than the copy it serves.
+  // Together with swapped_'s they number the most sessions ever swapped out at once.
+  std::vector<HostStateBuffer> spare_states_;
+  size_t state_buffers_ = 0;  // spare and in use
+  HostStateBuffer take_state_buffer();
+  void give_back_state_buffer(HostStateBuffer buffer);
   bool swap_refused_ = false;  // the engine cannot copy its state
   uint64_t graph_replays_seen_ = 0;
   int active_ = 0;

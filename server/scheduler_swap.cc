@@ -3,7 +3,8 @@
 // when others wait for a slot, has its state copied to host memory and gives up its slot;
 // when its next input arrives it takes a free slot before new requests do, its state is
 // loaded back and it goes on exactly where it left off (the state is the whole context).
-// Open sessions are then bounded by max_sessions, not by slots.
+// Open sessions are then bounded by max_sessions, not by slots. The states lie in buffers
+// the engine makes for its copies (page-locked on the CUDA engine), kept for reuse.
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
@@ -49,15 +50,32 @@ Clock::time_point Scheduler::next_swap_due() const {
   return due;
 }
 
+HostStateBuffer Scheduler::take_state_buffer() {
+  if (spare_states_.empty()) {
+    HostStateBuffer made = engine_.allocate_host_state();
+    ++state_buffers_;
+    if (options_.session_metrics) options_.session_metrics->set_state_buffers(state_buffers_, state_buffers_ * made.size());
+    return made;
+  }
+  HostStateBuffer buffer = std::move(spare_states_.back());
+  spare_states_.pop_back();
+  return buffer;
+}
+
+void Scheduler::give_back_state_buffer(HostStateBuffer buffer) {
+  if (!buffer.empty()) spare_states_.push_back(std::move(buffer));
+}
+
 void Scheduler::swap_out(int i) {
   Slot& s = slots_[i];
   SwappedSession out;
   try {
-    out.state.resize(engine_.slot_state_bytes());
-    engine_.save_slot(i, out.state);
+    out.state = take_state_buffer();
+    engine_.save_slot(i, out.state.bytes());
   } catch (const std::exception& e) {
     // This engine cannot copy its state: sessions keep their slots, as without swapping.
     log_->warn("idle sessions cannot leave their slots: {}", e.what());
+    give_back_state_buffer(std::move(out.state));
     swap_refused_ = true;
     return;
   }
@@ -109,7 +127,7 @@ void Scheduler::service_swapped(Clock::time_point now) {
         if (!w.shutdown_saving && seq.params().on_state_saved) {
           w.shutdown_saving = true;  // its handler ends it, naming the snapshot
           SequenceState state;
-          state.bytes = w.state;
+          state.bytes.assign(w.state.bytes().begin(), w.state.bytes().end());
           state.tokens = w.slot.state_tokens;
           state.last_sample = w.slot.has_sample ? w.slot.last_sample : -1;
           state.for_shutdown = true;
@@ -140,7 +158,7 @@ void Scheduler::swap_in(size_t k) {
   try {
     engine_.reset(i);
     engine_.set_sampling(i, w.slot.seq->params().sampling);
-    engine_.load_slot(i, w.state);
+    engine_.load_slot(i, w.state.bytes());
   } catch (const std::exception& e) {
     log_->error("engine could not take a session's state back into slot {}: {}", i, e.what());
     swapped_.push_back(std::move(w));
@@ -148,6 +166,7 @@ void Scheduler::swap_in(size_t k) {
     return;
   }
   free_slots_.pop_back();
+  give_back_state_buffer(std::move(w.state));
   Slot& s = slots_[i];
   const uint32_t generation = s.generation;
   s = std::move(w.slot);
@@ -163,6 +182,7 @@ void Scheduler::swap_in(size_t k) {
 
 void Scheduler::close_swapped(size_t k, StreamStatus status, std::string message) {
   std::shared_ptr<Sequence> seq = std::move(swapped_[k].slot.seq);
+  give_back_state_buffer(std::move(swapped_[k].state));
   swapped_[k] = std::move(swapped_.back());
   swapped_.pop_back();
   if (options_.session_metrics) options_.session_metrics->set_swapped_out(swapped_.size());

@@ -284,6 +284,19 @@ void CudaEngine::load_slot(int slot, std::span<const std::byte> in) {
   steps_since_reset_[slot] = flags.parity;  // only its parity is read: the current half stays current
 }
 
+// Page-locked so that the copier moves it with one DMA; where the system will lock no more,
+// plain memory, which the copier stages (slower, still exact).
+HostStateBuffer CudaEngine::allocate_host_state() const {
+  const size_t bytes = slot_copier_.bytes();
+  use_device();  // the page-locking context is this engine's device's
+  try {
+    auto* data = static_cast<std::byte*>(allocate_pinned(bytes, "a slot's state on the host"));
+    return HostStateBuffer(data, bytes, [](std::byte* p) noexcept { free_pinned(p); });
+  } catch (const std::runtime_error&) {
+    return HostStateBuffer::plain(bytes);
+  }
+}
+
 // The slot's device side as a new sequence finds it: state, random-draw counter, last
 // sampled token and frame position zero (queued on stream_).
 void CudaEngine::zero_slot(int slot) {

@@ -60,6 +60,7 @@ class CudaEngine final : public Engine, public CudaProfiling {
   size_t slot_state_bytes() const override { return slot_copier_.bytes(); }
   void save_slot(int slot, std::span<std::byte> out) override;
   void load_slot(int slot, std::span<const std::byte> in) override;
+  HostStateBuffer allocate_host_state() const override;
 
   // --- CudaProfiling (cuda_engine_profiling.cu) ---
   const std::vector<int>& bucket_sizes() const override { return bucket_sizes_; }

@@ -10,6 +10,14 @@ namespace m3::cuda {
 // Number of device and pinned-host allocations made so far in this process.
 uint64_t allocation_count();
 
+// Page-locked host memory (cudaMallocHost), counted as above; throws std::runtime_error
+// naming `what` when the system refuses it. free_pinned(nullptr) does nothing.
+void* allocate_pinned(size_t bytes, const char* what);
+void free_pinned(void* ptr) noexcept;
+// Whether [ptr, ptr + bytes) lies wholly inside one allocate_pinned() allocation, which the
+// device can copy to and from directly.
+bool is_page_locked(const void* ptr, size_t bytes);
+
 class DeviceBuffer {
  public:
   DeviceBuffer() = default;

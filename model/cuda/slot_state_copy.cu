@@ -27,12 +27,14 @@ void SlotStateCopier::save(cudaStream_t step_stream, const SlotDeviceState& slot
     throw std::invalid_argument("save_slot: " + std::to_string(out.size()) + " bytes given, a slot's state is " +
                                 std::to_string(bytes_));
   }
-  auto* staged = staging_.as<std::byte>();
+  // Page-locked memory takes the device's copy itself; pageable memory goes through staging_.
+  const bool direct = is_page_locked(out.data(), out.size());
+  std::byte* target = direct ? out.data() : staging_.as<std::byte>();
   M3_CUDA_CHECK(cudaEventRecord(steps_queued_, step_stream));
   M3_CUDA_CHECK(cudaStreamWaitEvent(copy_stream_, steps_queued_, 0));
-  M3_CUDA_CHECK(cudaMemcpyAsync(staged, slot.state, sizeof(float) * state_floats_, cudaMemcpyDeviceToHost,
+  M3_CUDA_CHECK(cudaMemcpyAsync(target, slot.state, sizeof(float) * state_floats_, cudaMemcpyDeviceToHost,
                                 copy_stream_));
-  std::byte* tail = staged + sizeof(float) * state_floats_;
+  std::byte* tail = target + sizeof(float) * state_floats_;
   M3_CUDA_CHECK(cudaMemcpyAsync(tail, slot.counter, sizeof(uint64_t), cudaMemcpyDeviceToHost, copy_stream_));
   M3_CUDA_CHECK(cudaMemcpyAsync(tail + sizeof(uint64_t), slot.last_token, sizeof(int32_t), cudaMemcpyDeviceToHost,
                                 copy_stream_));
@@ -45,7 +47,7 @@ void SlotStateCopier::save(cudaStream_t step_stream, const SlotDeviceState& slot
   tail[sizeof(uint64_t) + sizeof(int32_t) + 1] = std::byte{static_cast<uint8_t>(flags.parity & 1)};
   tail[sizeof(uint64_t) + sizeof(int32_t) + 2] = std::byte{0};
   tail[sizeof(uint64_t) + sizeof(int32_t) + 3] = std::byte{0};
-  std::memcpy(out.data(), staged, bytes_);
+  if (!direct) std::memcpy(out.data(), target, bytes_);
 }
 
 void SlotStateCopier::check(std::span<const std::byte> in, int vocab_size) const {
@@ -75,23 +77,32 @@ SlotHostFlags SlotStateCopier::load(cudaStream_t step_stream, const SlotDeviceSt
   const std::byte* tail = in.data() + sizeof(float) * state_floats_;
   const auto has_sample = static_cast<uint8_t>(tail[sizeof(uint64_t) + sizeof(int32_t)]);
   const auto parity = static_cast<uint8_t>(tail[sizeof(uint64_t) + sizeof(int32_t) + 1]);
-  // The staging buffer may still feed the previous load's copy.
-  if (load_pending_) M3_CUDA_CHECK(cudaEventSynchronize(copied_));
-  auto* staged = staging_.as<std::byte>();
-  std::memcpy(staged, in.data(), bytes_);
+  const bool direct = is_page_locked(in.data(), in.size());
+  const std::byte* source = in.data();
+  if (!direct) {
+    // The staging buffer may still feed the previous load's copy.
+    if (load_pending_) M3_CUDA_CHECK(cudaEventSynchronize(copied_));
+    std::memcpy(staging_.as<std::byte>(), in.data(), bytes_);
+    source = staging_.as<std::byte>();
+  }
   M3_CUDA_CHECK(cudaEventRecord(steps_queued_, step_stream));
   M3_CUDA_CHECK(cudaStreamWaitEvent(copy_stream_, steps_queued_, 0));
-  M3_CUDA_CHECK(cudaMemcpyAsync(slot.state, staged, sizeof(float) * state_floats_, cudaMemcpyHostToDevice,
+  M3_CUDA_CHECK(cudaMemcpyAsync(slot.state, source, sizeof(float) * state_floats_, cudaMemcpyHostToDevice,
                                 copy_stream_));
-  const std::byte* staged_tail = staged + sizeof(float) * state_floats_;
-  M3_CUDA_CHECK(cudaMemcpyAsync(slot.counter, staged_tail, sizeof(uint64_t), cudaMemcpyHostToDevice, copy_stream_));
-  M3_CUDA_CHECK(cudaMemcpyAsync(slot.last_token, staged_tail + sizeof(uint64_t), sizeof(int32_t),
+  const std::byte* source_tail = source + sizeof(float) * state_floats_;
+  M3_CUDA_CHECK(cudaMemcpyAsync(slot.counter, source_tail, sizeof(uint64_t), cudaMemcpyHostToDevice, copy_stream_));
+  M3_CUDA_CHECK(cudaMemcpyAsync(slot.last_token, source_tail + sizeof(uint64_t), sizeof(int32_t),
                                 cudaMemcpyHostToDevice, copy_stream_));
-  M3_CUDA_CHECK(cudaMemcpyAsync(slot.frame_position, staged_tail + kFramePositionAt, sizeof(int32_t),
+  M3_CUDA_CHECK(cudaMemcpyAsync(slot.frame_position, source_tail + kFramePositionAt, sizeof(int32_t),
                                 cudaMemcpyHostToDevice, copy_stream_));
   M3_CUDA_CHECK(cudaEventRecord(copied_, copy_stream_));
   M3_CUDA_CHECK(cudaStreamWaitEvent(step_stream, copied_, 0));
-  load_pending_ = true;
+  if (direct) {
+    // The caller's memory is the copy's source: it is theirs again only once the copy is done.
+    M3_CUDA_CHECK(cudaEventSynchronize(copied_));
+  } else {
+    load_pending_ = true;
+  }
   return {has_sample == 1, parity};
 }
 

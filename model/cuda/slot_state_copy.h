@@ -2,7 +2,10 @@
 // copies run on their own stream, ordered after every step already queued on the step
 // stream (a step still queued may write the slot), and a load makes the step stream wait
 // for it, so the next step reads what was loaded. The other slots' steps go on meanwhile;
-// a save waits only for the steps queued before it.
+// a save waits only for the steps queued before it. Host bytes in page-locked memory
+// (allocate_pinned: Engine::allocate_host_state) are copied by one DMA; other bytes pass
+// through a page-locked staging buffer and a host copy of their whole length, which the
+// GPU waits for when no step is queued.
 //
 // The bytes (host order): the slot's whole state region as the engine keeps it (both
 // halves of the double-buffered angles and k_prev), the random-draw counter (u64), the
@@ -53,7 +56,9 @@ class SlotStateCopier {
   void check(std::span<const std::byte> in, int vocab_size) const;
   // Checks `in` (check()), then queues its copy into
   // the slot after what `step_stream` has queued and makes `step_stream` wait for it.
-  // Returns the flags the engine's host side takes for the slot.
+  // Page-locked `in` is copied from where it lies, so the call returns once that copy is
+  // done; other bytes are staged and the call returns at once. Returns the flags the
+  // engine's host side takes for the slot.
   SlotHostFlags load(cudaStream_t step_stream, const SlotDeviceState& slot, std::span<const std::byte> in,
                      int vocab_size);
 

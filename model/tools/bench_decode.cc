@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <span>
 #include <iostream>
 #include <stdexcept>
 #include <string>
@@ -33,10 +34,14 @@ namespace {
 std::string usage() {
   return "usage: m3bench decode --config FILE [--batch 1,4,16,64] [--dtype bf16|fp32]\n"
          "                      [--iters 300] [--json OUT] [--seed 1] [--per-kernel] [--plan]\n"
+         "                      [--slot-copies]\n"
          "                      [--cuda-... VALUE ...]\n"
          "  --batch: batch sizes in [1, 4096], comma-separated; --iters: 10 to 1000000\n"
          "  --per-kernel: also time every kernel of the step alone (sum by kernel name)\n"
          "  --plan: also print each batch's step as planned (kernels and the planners' choices)\n"
+         "  --slot-copies: also the pipelined step with one slot outside the batch saved and\n"
+         "      loaded between steps (an idle session swapped out and another in), from pageable\n"
+         "      and from page-locked host memory (Engine::allocate_host_state)\n"
          "the engine's policy (configs/server.yaml's cuda: section), as m3serve takes it:\n" +
          cuda_policy_flags_help();
 }
@@ -53,6 +58,7 @@ struct Options {
   uint64_t seed = 1;
   bool per_kernel = false;
   bool plan = false;
+  bool slot_copies = false;
   CudaPolicy policy;
 };
 
@@ -96,6 +102,7 @@ Options parse(int argc, char** argv) {
     else if (a == "--seed") o.seed = parse_integer<uint64_t>("--seed", value(), 0, UINT64_MAX);
     else if (a == "--per-kernel") o.per_kernel = true;
     else if (a == "--plan") o.plan = true;
+    else if (a == "--slot-copies") o.slot_copies = true;
     else if (a.rfind("--cuda-", 0) == 0 && set_cuda_policy_flag(o.policy, a, value())) continue;
     else throw std::invalid_argument("unknown argument " + a);
   }
@@ -142,7 +149,30 @@ struct Row {
   int batch = 0, bucket = 0, kernels = 0;
   std::vector<std::pair<std::string, double>> per_kernel;  // name, us per step (alone)
   double graph_us = 0, direct_us = 0, step_wall_us = 0, pipelined_wall_us = 0, floor_bytes = 0, floor_us = 0;
+  // --slot-copies: the pipelined wall with a slot saved and loaded between steps.
+  double copies_pageable_wall_us = 0, copies_locked_wall_us = 0;
 };
+
+// The server's view of a step: each submitted before the previous one is collected, so the
+// host's work overlaps the device's; `between` runs with one step in flight, where the
+// scheduler copies slot states. Median microseconds from one collect to the next.
+template <typename Between>
+double pipelined_wall_us(Engine& engine, std::span<const int32_t> slots, std::span<const int32_t> tokens,
+                         std::span<int32_t> sampled, int iters, Between&& between) {
+  std::vector<float> wall;
+  engine.submit_step(slots, tokens);
+  auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < iters + 10; ++i) {
+    between();
+    engine.submit_step(slots, tokens);
+    engine.collect_step(sampled);
+    const auto t1 = std::chrono::steady_clock::now();
+    if (i >= 10) wall.push_back(std::chrono::duration<float, std::micro>(t1 - t0).count());
+    t0 = t1;
+  }
+  engine.collect_step(sampled);
+  return median(wall);
+}
 
 int run(const Options& o) {
   const ModelConfig cfg = ModelConfig::load(o.config);
@@ -161,7 +191,7 @@ int run(const Options& o) {
   const double bw = copy_bandwidth_gbps();
 
   EngineOptions eo;
-  eo.max_slots = max_batch;
+  eo.max_slots = max_batch + (o.slot_copies ? 1 : 0);  // the copied slot is outside every batch
   eo.weight_dtype = o.dtype == "bf16" ? WeightDType::BF16 : WeightDType::F32;
   eo.use_graphs = true;
   eo.cuda = o.policy;
@@ -193,20 +223,23 @@ int run(const Options& o) {
       if (i >= 10) wall.push_back(std::chrono::duration<float, std::micro>(t1 - t0).count());
     }
     r.step_wall_us = median(wall);
-    // The server's view: each step submitted before the previous one is collected, so
-    // the host's work (table copy, launch, waking up, reading the ids) overlaps the device's.
-    wall.clear();
-    graphed.submit_step(slots, tokens);
-    auto t0 = std::chrono::steady_clock::now();
-    for (int i = 0; i < o.iters / 3 + 10; ++i) {
-      graphed.submit_step(slots, tokens);
-      graphed.collect_step(sampled);
-      const auto t1 = std::chrono::steady_clock::now();
-      if (i >= 10) wall.push_back(std::chrono::duration<float, std::micro>(t1 - t0).count());
-      t0 = t1;
+    r.pipelined_wall_us = pipelined_wall_us(graphed, slots, tokens, sampled, o.iters / 3, [] {});
+    if (o.slot_copies) {
+      const int copied = max_batch;
+      graphed.reset(copied);
+      std::vector<std::byte> pageable(graphed.slot_state_bytes());
+      HostStateBuffer locked = graphed.allocate_host_state();
+      graphed.save_slot(copied, pageable);
+      graphed.save_slot(copied, locked.bytes());
+      r.copies_pageable_wall_us = pipelined_wall_us(graphed, slots, tokens, sampled, o.iters / 3, [&] {
+        graphed.save_slot(copied, pageable);
+        graphed.load_slot(copied, pageable);
+      });
+      r.copies_locked_wall_us = pipelined_wall_us(graphed, slots, tokens, sampled, o.iters / 3, [&] {
+        graphed.save_slot(copied, locked.bytes());
+        graphed.load_slot(copied, locked.bytes());
+      });
     }
-    graphed.collect_step(sampled);
-    r.pipelined_wall_us = median(wall);
     profile.time_replays(b, 20, true);  // warm-up
     r.graph_us = median(profile.time_replays(b, o.iters, true));
     profile.time_replays(b, 10, false);
@@ -249,6 +282,15 @@ int run(const Options& o) {
     std::printf("step plans:\n");
     for (const Row& r : rows) std::printf("%s", to_string(profile.step_plan(r.batch)).c_str());
   }
+  if (o.slot_copies) {
+    std::printf("pipelined wall us per step with one slot (%.1f MB) saved and loaded between steps:\n",
+                graphed.slot_state_bytes() / 1e6);
+    std::printf("%6s %14s %16s %18s\n", "batch", "no copies", "pageable bytes", "page-locked bytes");
+    for (const Row& r : rows) {
+      std::printf("%6d %14.1f %16.1f %18.1f\n", r.batch, r.pipelined_wall_us, r.copies_pageable_wall_us,
+                  r.copies_locked_wall_us);
+    }
+  }
   if (o.per_kernel) {
     std::printf("kernels timed alone (us per step, each kernel repeated back to back):\n");
     for (const Row& r : rows) {
@@ -283,6 +325,10 @@ int run(const Options& o) {
         j["results"].back()["step_variants_measured_us"][cuda::to_string(variant)] = us;
       }
       for (const auto& [name, us] : r.per_kernel) j["results"].back()["kernels_alone_us"][name] = us;
+      if (o.slot_copies) {
+        j["results"].back()["pipelined_wall_us_slot_copies_pageable"] = r.copies_pageable_wall_us;
+        j["results"].back()["pipelined_wall_us_slot_copies_page_locked"] = r.copies_locked_wall_us;
+      }
     }
     std::ofstream file(o.json);
     file << j.dump(2) << "\n";

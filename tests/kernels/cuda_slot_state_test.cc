@@ -1,10 +1,12 @@
 // Engine::save_slot / load_slot on the CUDA engine (label gpu; skips without a device): a
 // slot's state saved and loaded into another slot is bit-identical, the decode after it
 // gives the same tokens (greedy and seeded), also with steps queued around the copies
-// (submit_step/collect_step, as the server's pipelined scheduler runs them), and bytes
+// (submit_step/collect_step, as the server's pipelined scheduler runs them), page-locked
+// host buffers (allocate_host_state) copy directly and give the same bytes, and bytes
 // of another shape or a bad token are refused without making the engine unusable.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
 #include <memory>
 #include <stdexcept>
@@ -12,6 +14,7 @@
 
 #include "gpu_test_util.h"
 #include "model/cuda/cuda_engine.h"
+#include "model/cuda/device_buffer.h"
 #include "model/weights.h"
 #include "engine_steps.h"
 #include "test_models.h"
@@ -89,6 +92,36 @@ TEST_F(CudaSlotState, CopiesAreOrderedWithQueuedSteps) {
   e->collect_step({&a, 1});
   e->collect_step({&b, 1});
   EXPECT_EQ(a, b);
+}
+
+TEST_F(CudaSlotState, HostStateBuffersArePageLockedAndCopyAsPageableBytesDo) {
+  auto e = engine(3);
+  for (int32_t t : {8, 1, 77}) step1(*e, 0, t);
+  HostStateBuffer buffer = e->allocate_host_state();
+  ASSERT_EQ(buffer.size(), e->slot_state_bytes());
+  ASSERT_TRUE(cuda::is_page_locked(buffer.bytes().data(), buffer.size()));
+  EXPECT_TRUE(cuda::is_page_locked(buffer.bytes().data() + 1, buffer.size() - 1));
+  EXPECT_FALSE(cuda::is_page_locked(buffer.bytes().data() + 1, buffer.size()));
+  const std::vector<std::byte> pageable = saved(*e, 0);
+  EXPECT_FALSE(cuda::is_page_locked(pageable.data(), pageable.size()));
+  // Every byte written by the direct save: the buffer starts as something no save gives.
+  std::memset(buffer.bytes().data(), 0xab, buffer.size());
+  e->save_slot(0, buffer.bytes());
+  ASSERT_TRUE(std::equal(pageable.begin(), pageable.end(), buffer.bytes().begin()));
+  // A direct load beside a queued step of another slot, then a step of the loaded slot
+  // queued behind it: it reads the loaded state.
+  const int32_t slot0[] = {0}, slot2[] = {2};
+  const int32_t cont[] = {kContinueToken};
+  e->reset(2);
+  e->submit_step(slot0, cont);
+  e->load_slot(2, buffer.bytes());
+  std::memset(buffer.bytes().data(), 0, buffer.size());  // the caller's again once load_slot returns
+  e->submit_step(slot2, cont);
+  int32_t from0 = 0, from2 = 0;
+  e->collect_step({&from0, 1});
+  e->collect_step({&from2, 1});
+  EXPECT_EQ(from2, from0);
+  EXPECT_EQ(saved(*e, 2), saved(*e, 0));
 }
 
 TEST_F(CudaSlotState, BadBytesAreRefusedAndTheEngineGoesOn) {

@@ -1,10 +1,13 @@
 // Idle Converse sessions off the slots (session_swap_after_s): with 8 slots, 100 sessions
 // stay open, and each answers its next turn exactly as the engine does for the whole
-// conversation; max_sessions bounds the sessions open.
+// conversation; the host buffers of swapped states are reused; max_sessions bounds the
+// sessions open.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <memory>
+#include <thread>
 #include <vector>
 
 #include "server/metrics.h"
@@ -84,6 +87,56 @@ TEST(SessionSwap, EightSlotsHoldAHundredOpenSessionsThatEachAnswerExactly) {
   const size_t at = metrics.find(series);
   ASSERT_NE(at, std::string::npos) << metrics;
   EXPECT_GE(std::stod(metrics.substr(at + series.size())), kSessions - 8) << metrics;
+  for (auto& s : sessions) {
+    s->stream->WritesDone();
+    v1::ConverseResponse response;
+    while (s->stream->Read(&response)) {
+    }
+    EXPECT_TRUE(s->stream->Finish().ok());
+  }
+}
+
+double metric_value(const std::string& metrics, const std::string& name) {
+  const std::string series = "\n" + name + " ";
+  const size_t at = metrics.find(series);
+  if (at == std::string::npos) ADD_FAILURE() << name << " not in:\n" << metrics;
+  return at == std::string::npos ? -1 : std::stod(metrics.substr(at + series.size()));
+}
+
+TEST(SessionSwap, StateBuffersAreReusedFromOneSwapToTheNext) {
+  ServerConfig config = test_config();
+  config.max_batch = 8;
+  config.session_swap_after_s = 0.001;
+  TestServer server(config);
+  constexpr int kSessions = 3, kTurns = 6;
+  std::vector<std::unique_ptr<OpenSession>> sessions;
+  for (int k = 0; k < kSessions; ++k) {
+    sessions.push_back(std::make_unique<OpenSession>());
+    start(*sessions.back(), *server.stub, 50 + k);
+  }
+  // Round robin: each session idles while the others take their turns, so it leaves its
+  // slot and comes back every turn.
+  for (int t = 0; t < kTurns; ++t) {
+    for (int k = 0; k < kSessions; ++k) {
+      OpenSession& s = *sessions[k];
+      const std::vector<int32_t> input = {(t * 11 + k) % 200, 4};
+      std::vector<int32_t> whole = s.history;
+      whole.insert(whole.end(), input.begin(), input.end());
+      SamplingParams sampling;
+      sampling.temperature = 0.8f;
+      sampling.seed = 50 + k;
+      ASSERT_EQ(turn(s, input), engine_generate(whole, 5, sampling)) << "session " << k << " turn " << t;
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));  // past session_swap_after_s
+    }
+  }
+  const std::string metrics = server.app->metrics().serialize();
+  EXPECT_GE(metric_value(metrics, "m3serve_session_swap_ins_total"), kSessions * (kTurns - 1)) << metrics;
+  // One buffer a session at most, however many swaps: none is made per swap.
+  const double buffers = metric_value(metrics, "m3serve_session_state_buffers");
+  EXPECT_GE(buffers, 1);
+  EXPECT_LE(buffers, kSessions);
+  EXPECT_EQ(metric_value(metrics, "m3serve_session_state_buffer_bytes"),
+            buffers * static_cast<double>(server.app->engine().slot_state_bytes()));
   for (auto& s : sessions) {
     s->stream->WritesDone();
     v1::ConverseResponse response;
