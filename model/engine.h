@@ -151,6 +151,15 @@ class Engine {
   // when the system refuses to lock more). Slow to make: callers that copy states often
   // (the scheduler's idle sessions) keep theirs for reuse. This default: plain memory.
   virtual HostStateBuffer allocate_host_state() const { return HostStateBuffer::plain(slot_state_bytes()); }
+  // load_slot from a buffer allocate_host_state() made, without holding the steps of other
+  // slots for the copy: the call may return before the copy is done, and the buffer must
+  // then stay alive and unchanged until slot_ready(slot). A step, prefill or reset that
+  // includes the slot before then waits for the copy (correct, but every slot of that
+  // step waits with it), so a caller that steps other slots meanwhile leaves this one out
+  // until slot_ready(). This default loads as load_slot does.
+  virtual void load_slot_async(int slot, const HostStateBuffer& in) { load_slot(slot, in.bytes()); }
+  // Whether the slot has no load_slot_async copy still running (then its buffer is free).
+  virtual bool slot_ready(int slot) const { (void)slot; return true; }
 
   // Choices the engine made at load that operators may want to see (the CUDA engine: the
   // batch-1 and batch-2 step variants it measured fastest); empty when there are none.

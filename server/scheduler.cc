@@ -501,6 +501,7 @@ void Scheduler::end_reply(int i, FinishReason reason, Clock::time_point now) {
 }
 
 void Scheduler::finish(int i, StreamStatus status, std::string message, TokenOutbox::Unsent unsent) {
+  wait_loaded(i);  // its buffer goes back to the spares only once nothing reads it
   Slot& s = slots_[i];
   std::shared_ptr<Sequence> seq = std::move(s.seq);
   s.seq.reset();
@@ -640,7 +641,8 @@ void Scheduler::fail_step(SubmittedStep& step, const std::exception& e) {
 }
 
 bool Scheduler::wants_prefill(const Slot& s) const {
-  return s.seq && s.phase == Phase::kFeeding && s.in_flight == 0 && s.fed < s.feed.size() && reads_by_prefill(s);
+  return s.seq && s.phase == Phase::kFeeding && s.in_flight == 0 && s.loading.empty() && s.fed < s.feed.size() &&
+         reads_by_prefill(s);
 }
 
 void Scheduler::prefill(SubmittedStep& step) {
@@ -724,8 +726,13 @@ void Scheduler::run() {
     // Token boundary: cancellations, deadlines and new input take effect here.
     SubmittedStep& step = steps_[newest_];
     Clock::time_point next_idle_deadline = Clock::time_point::max();
+    bool loading = false;  // a swapped-in state still on its way into its slot
     for (int i = 0; i < static_cast<int>(slots_.size()); ++i) {
       if (!slots_[i].seq) continue;
+      if (!loaded(i)) {
+        loading = true;
+        continue;
+      }
       service_slot(i, now);
       if (!slots_[i].seq) continue;
       next_idle_deadline = std::min(next_idle_deadline, idle_deadline(slots_[i]));
@@ -768,6 +775,10 @@ void Scheduler::run() {
 
     flusher_.wake_all(&wake_list_);
     if (submitted || collected) continue;  // slots whose sample just came back may go on
+    if (loading) {  // the copy takes well under a millisecond: look again soon
+      std::this_thread::yield();
+      continue;
+    }
     if (metrics_) metrics_->set_batch_size(0);
     std::unique_lock lock(mu_);
     // A slot freed in this pass may already serve a waiting request; an idle session's

@@ -172,6 +172,11 @@ class Scheduler {
     Clock::time_point idle_since;  // when the phase last became kIdle
     Clock::time_point first_token_time;
     Clock::time_point last_token_time;
+    // A swapped-in session's state buffer while the engine still copies it into the slot
+    // (Engine::load_slot_async): the slot sits out steps and prefill until slot_ready(),
+    // so the other slots' steps never wait for the copy.
+    HostStateBuffer loading;
+    Clock::time_point swap_wanted_since;  // its input's arrival (the swap-in's latency)
   };
 
   void run();
@@ -272,6 +277,11 @@ class Scheduler {
   size_t state_buffers_ = 0;  // spare and in use
   HostStateBuffer take_state_buffer();
   void give_back_state_buffer(HostStateBuffer buffer);
+  // Whether slot i's swap-in copy is done (true when there is none); once it is, its
+  // buffer goes back to spare_states_ and the swap-in's latency is recorded.
+  bool loaded(int i);
+  // Waits for slot i's swap-in copy (a slot leaving before it ends).
+  void wait_loaded(int i);
   bool swap_refused_ = false;  // the engine cannot copy its state
   uint64_t graph_replays_seen_ = 0;
   int active_ = 0;

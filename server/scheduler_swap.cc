@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <thread>
 
 #include "server/metrics.h"
 #include "server/scheduler.h"
@@ -17,7 +18,7 @@
 namespace m3 {
 
 bool Scheduler::swappable(const Slot& s) const {
-  return s.seq && s.seq->params().session && s.phase == Phase::kIdle && s.in_flight == 0 &&
+  return s.seq && s.seq->params().session && s.phase == Phase::kIdle && s.in_flight == 0 && s.loading.empty() &&
          s.fed >= s.feed.size() && !s.reply_requested && !s.save_requested && !s.save_pending &&
          !s.shutdown_saving && !s.seq->cancel_requested() && !s.seq->input_waiting();
 }
@@ -158,7 +159,7 @@ void Scheduler::swap_in(size_t k) {
   try {
     engine_.reset(i);
     engine_.set_sampling(i, w.slot.seq->params().sampling);
-    engine_.load_slot(i, w.state.bytes());
+    engine_.load_slot_async(i, w.state);
   } catch (const std::exception& e) {
     log_->error("engine could not take a session's state back into slot {}: {}", i, e.what());
     swapped_.push_back(std::move(w));
@@ -166,18 +167,31 @@ void Scheduler::swap_in(size_t k) {
     return;
   }
   free_slots_.pop_back();
-  give_back_state_buffer(std::move(w.state));
   Slot& s = slots_[i];
   const uint32_t generation = s.generation;
   s = std::move(w.slot);
   s.generation = generation;
   s.in_flight = 0;
-  s.seq->mark_input_changed();  // its input is read at once (service_slot)
+  s.loading = std::move(w.state);  // until the copy is in (loaded())
+  s.swap_wanted_since = w.wanted_since;
+  s.seq->mark_input_changed();  // its input is read once the state is in (service_slot)
   ++active_;
   if (metrics_) metrics_->set_active_sequences(active_);
+}
+
+bool Scheduler::loaded(int i) {
+  Slot& s = slots_[i];
+  if (s.loading.empty()) return true;
+  if (!engine_.slot_ready(i)) return false;
+  give_back_state_buffer(std::move(s.loading));
   if (options_.session_metrics) {
-    options_.session_metrics->observe_swap_in(std::chrono::duration<double>(Clock::now() - w.wanted_since).count());
+    options_.session_metrics->observe_swap_in(std::chrono::duration<double>(Clock::now() - s.swap_wanted_since).count());
   }
+  return true;
+}
+
+void Scheduler::wait_loaded(int i) {
+  while (!loaded(i)) std::this_thread::yield();
 }
 
 void Scheduler::close_swapped(size_t k, StreamStatus status, std::string message) {

@@ -71,20 +71,14 @@ void SlotStateCopier::check(std::span<const std::byte> in, int vocab_size) const
   }
 }
 
-SlotHostFlags SlotStateCopier::load(cudaStream_t step_stream, const SlotDeviceState& slot,
-                                    std::span<const std::byte> in, int vocab_size) {
-  check(in, vocab_size);
-  const std::byte* tail = in.data() + sizeof(float) * state_floats_;
+SlotHostFlags SlotStateCopier::flags_of(std::span<const std::byte> in, size_t state_floats) {
+  const std::byte* tail = in.data() + sizeof(float) * state_floats;
   const auto has_sample = static_cast<uint8_t>(tail[sizeof(uint64_t) + sizeof(int32_t)]);
   const auto parity = static_cast<uint8_t>(tail[sizeof(uint64_t) + sizeof(int32_t) + 1]);
-  const bool direct = is_page_locked(in.data(), in.size());
-  const std::byte* source = in.data();
-  if (!direct) {
-    // The staging buffer may still feed the previous load's copy.
-    if (load_pending_) M3_CUDA_CHECK(cudaEventSynchronize(copied_));
-    std::memcpy(staging_.as<std::byte>(), in.data(), bytes_);
-    source = staging_.as<std::byte>();
-  }
+  return {has_sample == 1, parity};
+}
+
+void SlotStateCopier::queue_load(cudaStream_t step_stream, const SlotDeviceState& slot, const std::byte* source) {
   M3_CUDA_CHECK(cudaEventRecord(steps_queued_, step_stream));
   M3_CUDA_CHECK(cudaStreamWaitEvent(copy_stream_, steps_queued_, 0));
   M3_CUDA_CHECK(cudaMemcpyAsync(slot.state, source, sizeof(float) * state_floats_, cudaMemcpyHostToDevice,
@@ -96,6 +90,20 @@ SlotHostFlags SlotStateCopier::load(cudaStream_t step_stream, const SlotDeviceSt
   M3_CUDA_CHECK(cudaMemcpyAsync(slot.frame_position, source_tail + kFramePositionAt, sizeof(int32_t),
                                 cudaMemcpyHostToDevice, copy_stream_));
   M3_CUDA_CHECK(cudaEventRecord(copied_, copy_stream_));
+}
+
+SlotHostFlags SlotStateCopier::load(cudaStream_t step_stream, const SlotDeviceState& slot,
+                                    std::span<const std::byte> in, int vocab_size) {
+  check(in, vocab_size);
+  const bool direct = is_page_locked(in.data(), in.size());
+  const std::byte* source = in.data();
+  if (!direct) {
+    // The staging buffer may still feed the previous load's copy.
+    if (load_pending_) M3_CUDA_CHECK(cudaEventSynchronize(copied_));
+    std::memcpy(staging_.as<std::byte>(), in.data(), bytes_);
+    source = staging_.as<std::byte>();
+  }
+  queue_load(step_stream, slot, source);
   M3_CUDA_CHECK(cudaStreamWaitEvent(step_stream, copied_, 0));
   if (direct) {
     // The caller's memory is the copy's source: it is theirs again only once the copy is done.
@@ -103,7 +111,19 @@ SlotHostFlags SlotStateCopier::load(cudaStream_t step_stream, const SlotDeviceSt
   } else {
     load_pending_ = true;
   }
-  return {has_sample == 1, parity};
+  return flags_of(in, state_floats_);
+}
+
+SlotHostFlags SlotStateCopier::load_async(cudaStream_t step_stream, const SlotDeviceState& slot,
+                                          std::span<const std::byte> in, int vocab_size, cudaEvent_t copied) {
+  check(in, vocab_size);
+  if (!is_page_locked(in.data(), in.size())) {
+    throw std::invalid_argument("load_slot_async: the bytes are not in page-locked memory this process allocated");
+  }
+  queue_load(step_stream, slot, in.data());
+  // copied_ now marks this copy; a staged load before it was ordered ahead on copy_stream_.
+  M3_CUDA_CHECK(cudaEventRecord(copied, copy_stream_));
+  return flags_of(in, state_floats_);
 }
 
 }  // namespace m3::cuda

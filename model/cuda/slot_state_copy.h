@@ -61,8 +61,19 @@ class SlotStateCopier {
   // engine's host side takes for the slot.
   SlotHostFlags load(cudaStream_t step_stream, const SlotDeviceState& slot, std::span<const std::byte> in,
                      int vocab_size);
+  // Checks page-locked `in` (is_page_locked), then queues its copy into the slot after what
+  // `step_stream` has queued and records `copied` once it is in; returns at once, without
+  // making `step_stream` wait: the caller orders the slot's next use after `copied`, and
+  // keeps `in` unchanged until then.
+  SlotHostFlags load_async(cudaStream_t step_stream, const SlotDeviceState& slot, std::span<const std::byte> in,
+                           int vocab_size, cudaEvent_t copied);
 
  private:
+  // The copies of `source` (bytes() long, page-locked) into the slot, on copy_stream_ after
+  // what `step_stream` has queued; records copied_.
+  void queue_load(cudaStream_t step_stream, const SlotDeviceState& slot, const std::byte* source);
+  static SlotHostFlags flags_of(std::span<const std::byte> in, size_t state_floats);
+
   size_t state_floats_ = 0;
   size_t bytes_ = 0;
   PinnedBuffer staging_;

@@ -124,6 +124,40 @@ TEST_F(CudaSlotState, HostStateBuffersArePageLockedAndCopyAsPageableBytesDo) {
   EXPECT_EQ(saved(*e, 2), saved(*e, 0));
 }
 
+TEST_F(CudaSlotState, AsyncLoadsLandBesideOtherSlotsStepsAndStepsOfTheSlotWaitForThem) {
+  auto e = engine(3);
+  for (int32_t t : {3, 30, 300}) step1(*e, 0, t);
+  step1(*e, 1, 7);
+  HostStateBuffer buffer = e->allocate_host_state();
+  e->save_slot(0, buffer.bytes());
+  const int32_t slot0[] = {0}, slot1[] = {1}, slot2[] = {2};
+  const int32_t cont[] = {kContinueToken};
+  int32_t out = 0;
+  // Slot 1 steps while the copy into slot 2 runs; slot 2 is then slot 0's state.
+  e->load_slot_async(2, buffer);
+  e->submit_step(slot1, cont);
+  e->collect_step({&out, 1});
+  while (!e->slot_ready(2)) {
+  }
+  EXPECT_EQ(saved(*e, 2), saved(*e, 0));
+  // A step of the slot queued before its copy is known to be done waits for it.
+  e->reset(2);
+  e->load_slot_async(2, buffer);
+  int32_t from0 = 0, from2 = 0;
+  e->submit_step(slot2, cont);
+  e->collect_step({&from2, 1});
+  e->submit_step(slot0, cont);
+  e->collect_step({&from0, 1});
+  EXPECT_EQ(from2, from0);
+  EXPECT_TRUE(e->slot_ready(2));
+  // Bytes not in page-locked memory load as load_slot does.
+  HostStateBuffer plain = HostStateBuffer::plain(e->slot_state_bytes());
+  e->save_slot(1, plain.bytes());
+  e->load_slot_async(2, plain);
+  EXPECT_TRUE(e->slot_ready(2));
+  EXPECT_EQ(saved(*e, 2), saved(*e, 1));
+}
+
 TEST_F(CudaSlotState, BadBytesAreRefusedAndTheEngineGoesOn) {
   auto e = engine(2);
   step1(*e, 0, 5);
