@@ -158,7 +158,15 @@ class Engine {
   // step waits with it), so a caller that steps other slots meanwhile leaves this one out
   // until slot_ready(). This default loads as load_slot does.
   virtual void load_slot_async(int slot, const HostStateBuffer& in) { load_slot(slot, in.bytes()); }
-  // Whether the slot has no load_slot_async copy still running (then its buffer is free).
+  // save_slot into a buffer allocate_host_state() made, without holding the steps: the call
+  // may return before the bytes are in `out`, which must stay alive until slot_ready(slot)
+  // (then it holds them). Work that uses the slot meanwhile (a step, prefill, reset or
+  // load) waits for the copy on the device, so the slot may be given to another sequence
+  // at once; a later load from `out` is ordered after the save. This default saves as
+  // save_slot does.
+  virtual void save_slot_async(int slot, HostStateBuffer& out) { save_slot(slot, out.bytes()); }
+  // Whether no load_slot_async or save_slot_async copy of the slot is still running (then
+  // their buffers are free, and a saved one holds its bytes).
   virtual bool slot_ready(int slot) const { (void)slot; return true; }
 
   // Choices the engine made at load that operators may want to see (the CUDA engine: the

@@ -60,6 +60,9 @@ Scheduler::~Scheduler() {
   }
   cv_.notify_all();
   thread_.join();
+  // The state buffers go with this scheduler: no copy of the engine's may still use them.
+  for (int i = 0; i < engine_.max_slots(); ++i)
+    while (!engine_.slot_ready(i)) std::this_thread::yield();
 }
 
 Scheduler::Admission Scheduler::submit(std::shared_ptr<Sequence> sequence) {

@@ -221,7 +221,8 @@ class Scheduler {
   // Sessions off the slots (scheduler_swap.cc).
   struct SwappedSession {
     Slot slot;  // as it left its slot (seq included)
-    HostStateBuffer state;  // from state_buffers_ (Engine::allocate_host_state)
+    HostStateBuffer state;  // from spare_states_ (Engine::allocate_host_state)
+    int saved_from = -1;    // the slot it was saved from (save_slot_async: in `state` once that slot is ready)
     bool wants_in = false;  // its next input arrived
     Clock::time_point wanted_since;
     bool shutdown_saving = false;

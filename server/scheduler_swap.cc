@@ -72,7 +72,10 @@ void Scheduler::swap_out(int i) {
   SwappedSession out;
   try {
     out.state = take_state_buffer();
-    engine_.save_slot(i, out.state.bytes());
+    // The copy runs beside the steps: the slot may take another sequence at once (its
+    // reset waits for the copy on the device).
+    engine_.save_slot_async(i, out.state);
+    out.saved_from = i;
   } catch (const std::exception& e) {
     // This engine cannot copy its state: sessions keep their slots, as without swapping.
     log_->warn("idle sessions cannot leave their slots: {}", e.what());
@@ -128,6 +131,7 @@ void Scheduler::service_swapped(Clock::time_point now) {
         if (!w.shutdown_saving && seq.params().on_state_saved) {
           w.shutdown_saving = true;  // its handler ends it, naming the snapshot
           SequenceState state;
+          while (!engine_.slot_ready(w.saved_from)) std::this_thread::yield();  // its bytes are in
           state.bytes.assign(w.state.bytes().begin(), w.state.bytes().end());
           state.tokens = w.slot.state_tokens;
           state.last_sample = w.slot.has_sample ? w.slot.last_sample : -1;

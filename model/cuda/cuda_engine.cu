@@ -113,8 +113,8 @@ CudaEngine::CudaEngine(const ModelWeights& weights, const EngineOptions& options
   has_sample_.assign(max_slots_, 0);
   steps_since_reset_.assign(max_slots_, 0);
   seen_in_step_.assign(max_slots_, 0);
-  slot_loaded_.resize(max_slots_);
-  load_in_flight_.assign(max_slots_, 0);
+  slot_copied_.resize(max_slots_);
+  copy_in_flight_.assign(max_slots_, 0);
   for (auto& e : step_done_) M3_CUDA_CHECK(cudaEventCreateWithFlags(e.out(), cudaEventDisableTiming));
 
   build_steps();
@@ -248,7 +248,7 @@ void CudaEngine::reset(int slot) {
                                 std::to_string(max_slots_) + ")");
   }
   or_unusable([&] {  // queued behind the steps already submitted, ahead of later ones
-    wait_for_load(slot);
+    wait_for_copy(slot);
     zero_slot(slot);
   });
   has_sample_[slot] = 0;
@@ -317,33 +317,54 @@ void CudaEngine::load_slot_async(int slot, const HostStateBuffer& in) {
   slot_copier_.check(in.bytes(), config_.vocab_size);
   SlotHostFlags flags;
   or_unusable([&] {
-    if (slot_loaded_[slot] == nullptr) {
-      M3_CUDA_CHECK(cudaEventCreateWithFlags(slot_loaded_[slot].out(), cudaEventDisableTiming));
-    }
-    flags = slot_copier_.load_async(stream_, device_slot(slot), in.bytes(), config_.vocab_size, slot_loaded_[slot]);
+    flags = slot_copier_.load_async(stream_, device_slot(slot), in.bytes(), config_.vocab_size,
+                                    async_copy_event(slot));
   });
-  load_in_flight_[slot] = 1;
   has_sample_[slot] = flags.has_sample ? 1 : 0;
   steps_since_reset_[slot] = flags.parity;
 }
 
+// As save_slot, but the host does not wait: the copy runs after the steps queued so far,
+// and later work on the slot waits for it on the device.
+void CudaEngine::save_slot_async(int slot, HostStateBuffer& out) {
+  check_usable("save_slot_async");
+  if (slot < 0 || slot >= max_slots_) {
+    throw std::invalid_argument(slot_context("save_slot_async", slot) + " is out of range [0, " +
+                                std::to_string(max_slots_) + ")");
+  }
+  if (!is_page_locked(out.bytes().data(), out.size())) {  // not this engine's buffer: an ordinary save
+    save_slot(slot, out.bytes());
+    return;
+  }
+  const SlotHostFlags flags{has_sample_[slot] != 0, static_cast<uint32_t>(steps_since_reset_[slot] & 1)};
+  or_unusable([&] { slot_copier_.save_async(stream_, device_slot(slot), flags, out.bytes(), async_copy_event(slot)); });
+}
+
+cudaEvent_t CudaEngine::async_copy_event(int slot) {
+  if (slot_copied_[slot] == nullptr) {
+    M3_CUDA_CHECK(cudaEventCreateWithFlags(slot_copied_[slot].out(), cudaEventDisableTiming));
+  }
+  copy_in_flight_[slot] = 1;
+  return slot_copied_[slot];
+}
+
 bool CudaEngine::slot_ready(int slot) const {
-  if (slot < 0 || slot >= max_slots_ || !load_in_flight_[slot]) return true;
-  const cudaError_t done = cudaEventQuery(slot_loaded_[slot]);
+  if (slot < 0 || slot >= max_slots_ || !copy_in_flight_[slot]) return true;
+  const cudaError_t done = cudaEventQuery(slot_copied_[slot]);
   if (done == cudaErrorNotReady) return false;
   // An error here is the device's: the next call that queues work reports it and makes
   // the engine unusable, so the buffer is not read again either way.
   if (done != cudaSuccess) cudaGetLastError();
-  load_in_flight_[slot] = 0;
+  copy_in_flight_[slot] = 0;
   return true;
 }
 
-void CudaEngine::wait_for_load(int32_t slot) {
-  if (load_in_flight_[slot]) M3_CUDA_CHECK(cudaStreamWaitEvent(stream_, slot_loaded_[slot], 0));
+void CudaEngine::wait_for_copy(int32_t slot) {
+  if (copy_in_flight_[slot]) M3_CUDA_CHECK(cudaStreamWaitEvent(stream_, slot_copied_[slot], 0));
 }
 
-void CudaEngine::wait_for_loads(std::span<const int32_t> slots) {
-  for (const int32_t slot : slots) wait_for_load(slot);
+void CudaEngine::wait_for_copies(std::span<const int32_t> slots) {
+  for (const int32_t slot : slots) wait_for_copy(slot);
 }
 
 // The slot's device side as a new sequence finds it: state, random-draw counter, last
@@ -453,7 +474,7 @@ void CudaEngine::enqueue_step(std::span<const int32_t> slots, std::span<const in
   }
   for (int i = static_cast<int>(n); i < g.plan.batch; ++i) { th[i] = scratch_slot_; th[B + i] = 0; th[2 * B + i] = 0; }
   upload_params_if_dirty(q);
-  wait_for_loads(slots);
+  wait_for_copies(slots);
   // Table q's last reader is the step collected before this one took position q, so the
   // copy may run at once, beside the step now on the device.
   M3_CUDA_CHECK(cudaMemcpyAsync(table_.as<int32_t>() + q * table_ints(), th, sizeof(int32_t) * table_ints(),
@@ -500,7 +521,7 @@ void CudaEngine::prefill(std::span<const PrefillRun> runs, std::span<int32_t> sa
   // step queued, queue position 0's host copy of the parameters is free.
   or_unusable([&] {
     upload_params_if_dirty(0);
-    for (const PrefillRun& run : runs) wait_for_load(run.slot);
+    for (const PrefillRun& run : runs) wait_for_copy(run.slot);
     prefill_runner_->run(runs, std::span<const int32_t>(prefill_parities_.data(), runs.size()), sampled, logits,
                          stream_);
   });

@@ -62,6 +62,7 @@ class CudaEngine final : public Engine, public CudaProfiling {
   void load_slot(int slot, std::span<const std::byte> in) override;
   HostStateBuffer allocate_host_state() const override;
   void load_slot_async(int slot, const HostStateBuffer& in) override;
+  void save_slot_async(int slot, HostStateBuffer& out) override;
   bool slot_ready(int slot) const override;
 
   // --- CudaProfiling (cuda_engine_profiling.cu) ---
@@ -96,10 +97,12 @@ class CudaEngine final : public Engine, public CudaProfiling {
   // same step planned again on table 1; then every graph captured (when graphs are on).
   void build_steps();
   void zero_slot(int slot);
-  // Orders stream_'s next work after the load_slot_async copies into these slots still
-  // running (the step, prefill or reset about to be queued uses them).
-  void wait_for_loads(std::span<const int32_t> slots);
-  void wait_for_load(int32_t slot);
+  // Orders stream_'s next work after the load_slot_async and save_slot_async copies of
+  // these slots still running (the step, prefill or reset about to be queued uses them).
+  void wait_for_copies(std::span<const int32_t> slots);
+  void wait_for_copy(int32_t slot);
+  // The event an async copy of the slot records (made at the slot's first), marked in flight.
+  cudaEvent_t async_copy_event(int slot);
   SlotDeviceState device_slot(int slot) const;
   // The sampling parameters to the device (through queue position q's host copy) when
   // set_sampling changed them since the last upload.
@@ -143,10 +146,11 @@ class CudaEngine final : public Engine, public CudaProfiling {
   DeviceMaskTable masks_;    // EngineOptions::sampling_masks, on the device from load
   DeviceBuffer frame_positions_;  // int32 [max_slots + 1], read and advanced by the sampling kernel
   SlotStateCopier slot_copier_;  // one slot's state to and from host bytes
-  // Per slot: the event of its last load_slot_async copy (made at the slot's first), and
-  // whether that copy may still run (cleared once slot_ready() sees it done).
-  std::vector<CudaEvent> slot_loaded_;
-  mutable std::vector<uint8_t> load_in_flight_;
+  // Per slot: the event of its last async copy (load_slot_async, save_slot_async), and
+  // whether that copy may still run (cleared once slot_ready() sees it done). The copies
+  // run in order on the copier's stream, so the last one's event covers the earlier ones.
+  std::vector<CudaEvent> slot_copied_;
+  mutable std::vector<uint8_t> copy_in_flight_;
   // Per queued step (kMaxQueuedSteps of each, by position in the queue's ring): the table
   // and sampling parameters it copies to the device (a later step's host side must not
   // change them before the copies run), its ids (written by the sampling kernels of the

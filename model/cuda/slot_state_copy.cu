@@ -21,15 +21,7 @@ SlotStateCopier::SlotStateCopier(size_t slot_state_floats)
   M3_CUDA_CHECK(cudaEventCreateWithFlags(copied_.out(), cudaEventDisableTiming));
 }
 
-void SlotStateCopier::save(cudaStream_t step_stream, const SlotDeviceState& slot, SlotHostFlags flags,
-                           std::span<std::byte> out) {
-  if (out.size() != bytes_) {
-    throw std::invalid_argument("save_slot: " + std::to_string(out.size()) + " bytes given, a slot's state is " +
-                                std::to_string(bytes_));
-  }
-  // Page-locked memory takes the device's copy itself; pageable memory goes through staging_.
-  const bool direct = is_page_locked(out.data(), out.size());
-  std::byte* target = direct ? out.data() : staging_.as<std::byte>();
+void SlotStateCopier::queue_save(cudaStream_t step_stream, const SlotDeviceState& slot, std::byte* target) {
   M3_CUDA_CHECK(cudaEventRecord(steps_queued_, step_stream));
   M3_CUDA_CHECK(cudaStreamWaitEvent(copy_stream_, steps_queued_, 0));
   M3_CUDA_CHECK(cudaMemcpyAsync(target, slot.state, sizeof(float) * state_floats_, cudaMemcpyDeviceToHost,
@@ -41,13 +33,44 @@ void SlotStateCopier::save(cudaStream_t step_stream, const SlotDeviceState& slot
   M3_CUDA_CHECK(cudaMemcpyAsync(tail + kFramePositionAt, slot.frame_position, sizeof(int32_t),
                                 cudaMemcpyDeviceToHost, copy_stream_));
   M3_CUDA_CHECK(cudaEventRecord(copied_, copy_stream_));
+}
+
+void SlotStateCopier::write_flags(std::byte* target, SlotHostFlags flags) const {
+  std::byte* flag_bytes = target + sizeof(float) * state_floats_ + sizeof(uint64_t) + sizeof(int32_t);
+  flag_bytes[0] = std::byte{flags.has_sample ? uint8_t{1} : uint8_t{0}};
+  flag_bytes[1] = std::byte{static_cast<uint8_t>(flags.parity & 1)};
+  flag_bytes[2] = std::byte{0};
+  flag_bytes[3] = std::byte{0};
+}
+
+void SlotStateCopier::save(cudaStream_t step_stream, const SlotDeviceState& slot, SlotHostFlags flags,
+                           std::span<std::byte> out) {
+  if (out.size() != bytes_) {
+    throw std::invalid_argument("save_slot: " + std::to_string(out.size()) + " bytes given, a slot's state is " +
+                                std::to_string(bytes_));
+  }
+  // Page-locked memory takes the device's copy itself; pageable memory goes through staging_.
+  const bool direct = is_page_locked(out.data(), out.size());
+  std::byte* target = direct ? out.data() : staging_.as<std::byte>();
+  queue_save(step_stream, slot, target);
   M3_CUDA_CHECK(cudaEventSynchronize(copied_));  // also ends a pending load's use of staging_
   load_pending_ = false;
-  tail[sizeof(uint64_t) + sizeof(int32_t)] = std::byte{flags.has_sample ? uint8_t{1} : uint8_t{0}};
-  tail[sizeof(uint64_t) + sizeof(int32_t) + 1] = std::byte{static_cast<uint8_t>(flags.parity & 1)};
-  tail[sizeof(uint64_t) + sizeof(int32_t) + 2] = std::byte{0};
-  tail[sizeof(uint64_t) + sizeof(int32_t) + 3] = std::byte{0};
+  write_flags(target, flags);
   if (!direct) std::memcpy(out.data(), target, bytes_);
+}
+
+void SlotStateCopier::save_async(cudaStream_t step_stream, const SlotDeviceState& slot, SlotHostFlags flags,
+                                 std::span<std::byte> out, cudaEvent_t copied) {
+  if (out.size() != bytes_) {
+    throw std::invalid_argument("save_slot_async: " + std::to_string(out.size()) +
+                                " bytes given, a slot's state is " + std::to_string(bytes_));
+  }
+  if (!is_page_locked(out.data(), out.size())) {
+    throw std::invalid_argument("save_slot_async: the bytes are not in page-locked memory this process allocated");
+  }
+  write_flags(out.data(), flags);  // bytes no copy of the device's writes
+  queue_save(step_stream, slot, out.data());
+  M3_CUDA_CHECK(cudaEventRecord(copied, copy_stream_));
 }
 
 void SlotStateCopier::check(std::span<const std::byte> in, int vocab_size) const {

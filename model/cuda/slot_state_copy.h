@@ -50,6 +50,11 @@ class SlotStateCopier {
   // leave it; returns when the bytes are in `out`.
   void save(cudaStream_t step_stream, const SlotDeviceState& slot, SlotHostFlags flags,
             std::span<std::byte> out);
+  // Page-locked `out` only (is_page_locked): queues the copy into `out` after what
+  // `step_stream` has queued and records `copied` once the bytes are there; returns at once.
+  // The caller orders the slot's next writer after `copied` and reads `out` only then.
+  void save_async(cudaStream_t step_stream, const SlotDeviceState& slot, SlotHostFlags flags,
+                  std::span<std::byte> out, cudaEvent_t copied);
   // Throws std::invalid_argument unless `in` is bytes() long with a token below
   // `vocab_size`, flags of 0 or 1, zero spare bytes and a frame position not below 0 (no
   // CUDA call: a refusal leaves the engine usable).
@@ -72,6 +77,10 @@ class SlotStateCopier {
   // The copies of `source` (bytes() long, page-locked) into the slot, on copy_stream_ after
   // what `step_stream` has queued; records copied_.
   void queue_load(cudaStream_t step_stream, const SlotDeviceState& slot, const std::byte* source);
+  // The copies of the slot into `target` (bytes() long, page-locked), likewise; the tail's
+  // host flags are written by the caller (the device writes the bytes around them).
+  void queue_save(cudaStream_t step_stream, const SlotDeviceState& slot, std::byte* target);
+  void write_flags(std::byte* target, SlotHostFlags flags) const;
   static SlotHostFlags flags_of(std::span<const std::byte> in, size_t state_floats);
 
   size_t state_floats_ = 0;

@@ -158,6 +158,34 @@ TEST_F(CudaSlotState, AsyncLoadsLandBesideOtherSlotsStepsAndStepsOfTheSlotWaitFo
   EXPECT_EQ(saved(*e, 2), saved(*e, 1));
 }
 
+TEST_F(CudaSlotState, AsyncSavesHoldTheSlotAsItWasWhileTheSlotGoesOnToANewSequence) {
+  auto e = engine(2);
+  for (int32_t t : {12, 2, 99, 5}) step1(*e, 0, t);
+  const std::vector<std::byte> before = saved(*e, 0);
+  HostStateBuffer buffer = e->allocate_host_state();
+  std::memset(buffer.bytes().data(), 0xcd, buffer.size());
+  const int32_t slot0[] = {0};
+  const int32_t cont[] = {kContinueToken};
+  e->submit_step(slot0, cont);  // queued before the save: the save sees it
+  e->save_slot_async(0, buffer);
+  e->reset(0);  // the slot's next sequence: its reset waits for the copy on the device
+  const int32_t first[] = {42};
+  e->submit_step(slot0, first);
+  int32_t out = 0;
+  e->collect_step({&out, 1});
+  e->collect_step({&out, 1});
+  while (!e->slot_ready(0)) {
+  }
+  // The bytes are the slot after the queued step, before the reset: load them and compare.
+  e->load_slot(1, buffer.bytes());
+  auto replay = engine(2);
+  replay->load_slot(0, before);
+  const int32_t cont0[] = {kContinueToken};
+  int32_t sample = 0;
+  replay->step(slot0, cont0, {&sample, 1});
+  EXPECT_EQ(saved(*e, 1), saved(*replay, 0));
+}
+
 TEST_F(CudaSlotState, BadBytesAreRefusedAndTheEngineGoesOn) {
   auto e = engine(2);
   step1(*e, 0, 5);

@@ -18,8 +18,10 @@ namespace {
 
 using namespace std::chrono_literals;
 
-// Samples (input + 1) % vocab; a slot's state is its last sample. A load_slot_async copy
-// lands only after kPollsPerLoad calls of slot_ready().
+// Samples (input + 1) % vocab; a slot's state is its last sample. A load_slot_async or
+// save_slot_async copy lands only after kPollsPerLoad calls of slot_ready() (a save's bytes
+// are the slot's at the call; a load from memory a save still writes reads them after it,
+// as the copies run in order on one stream).
 class SlowCopyEngine final : public Engine {
  public:
   static constexpr int kPollsPerLoad = 3;
@@ -55,15 +57,27 @@ class SlowCopyEngine final : public Engine {
   }
   void load_slot(int slot, std::span<const std::byte> in) override {
     std::lock_guard lock(mu_);
+    land_saves_into(in.data());
     std::memcpy(&last_[slot], in.data(), sizeof(int32_t));
   }
   void load_slot_async(int slot, const HostStateBuffer& in) override {
     std::lock_guard lock(mu_);
+    land_saves_into(in.bytes().data());
     pending_[slot] = Pending{in.bytes().data(), kPollsPerLoad};  // the memory, as a DMA reads it
     ++async_loads_;
   }
+  void save_slot_async(int slot, HostStateBuffer& out) override {
+    std::lock_guard lock(mu_);
+    saving_[slot] = Saving{out.bytes().data(), last_[slot], kPollsPerLoad};
+    ++saves_;
+  }
   bool slot_ready(int slot) const override {
     std::lock_guard lock(mu_);
+    if (auto it = saving_.find(slot); it != saving_.end()) {
+      if (it->second.polls_left-- > 0) return false;
+      std::memcpy(it->second.target, &it->second.value, sizeof(int32_t));
+      saving_.erase(it);
+    }
     auto it = pending_.find(slot);
     if (it == pending_.end()) return true;
     if (it->second.polls_left-- > 0) return false;
@@ -93,10 +107,26 @@ class SlowCopyEngine final : public Engine {
     const std::byte* source;
     int polls_left;
   };
+  struct Saving {
+    std::byte* target;
+    int32_t value;
+    int polls_left;
+  };
+  void land_saves_into(const std::byte* memory) const {
+    for (auto it = saving_.begin(); it != saving_.end();) {
+      if (it->second.target != memory) {
+        ++it;
+        continue;
+      }
+      std::memcpy(it->second.target, &it->second.value, sizeof(int32_t));
+      it = saving_.erase(it);
+    }
+  }
   ModelConfig config_;
   mutable std::vector<int32_t> last_;
   mutable std::mutex mu_;
   mutable std::map<int, Pending> pending_;
+  mutable std::map<int, Saving> saving_;
   int saves_ = 0, async_loads_ = 0, violations_ = 0, steps_beside_a_load_ = 0;
 };
 
