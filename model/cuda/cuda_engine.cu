@@ -241,12 +241,15 @@ void CudaEngine::or_unusable(Work&& work) {
   }
 }
 
+void CudaEngine::check_slot(const char* fn, int slot) const {
+  if (slot < 0 || slot >= max_slots_) {
+    throw std::invalid_argument(slot_context(fn, slot) + " is out of range [0, " + std::to_string(max_slots_) + ")");
+  }
+}
+
 void CudaEngine::reset(int slot) {
   check_usable("reset");
-  if (slot < 0 || slot >= max_slots_) {
-    throw std::invalid_argument(slot_context("reset", slot) + " is out of range [0, " +
-                                std::to_string(max_slots_) + ")");
-  }
+  check_slot("reset", slot);
   or_unusable([&] {  // queued behind the steps already submitted, ahead of later ones
     wait_for_copy(slot);
     zero_slot(slot);
@@ -264,10 +267,7 @@ SlotDeviceState CudaEngine::device_slot(int slot) const {
 // they are done), and a load is what the steps submitted after it read.
 void CudaEngine::save_slot(int slot, std::span<std::byte> out) {
   check_usable("save_slot");
-  if (slot < 0 || slot >= max_slots_) {
-    throw std::invalid_argument(slot_context("save_slot", slot) + " is out of range [0, " +
-                                std::to_string(max_slots_) + ")");
-  }
+  check_slot("save_slot", slot);
   if (out.size() != slot_copier_.bytes()) {
     throw std::invalid_argument("save_slot: " + std::to_string(out.size()) + " bytes given, a slot's state is " +
                                 std::to_string(slot_copier_.bytes()));
@@ -278,10 +278,7 @@ void CudaEngine::save_slot(int slot, std::span<std::byte> out) {
 
 void CudaEngine::load_slot(int slot, std::span<const std::byte> in) {
   check_usable("load_slot");
-  if (slot < 0 || slot >= max_slots_) {
-    throw std::invalid_argument(slot_context("load_slot", slot) + " is out of range [0, " +
-                                std::to_string(max_slots_) + ")");
-  }
+  check_slot("load_slot", slot);
   slot_copier_.check(in, config_.vocab_size);
   SlotHostFlags flags;
   or_unusable([&] { flags = slot_copier_.load(stream_, device_slot(slot), in, config_.vocab_size); });
@@ -306,10 +303,7 @@ HostStateBuffer CudaEngine::allocate_host_state() const {
 // for it (wait_for_loads), so the other slots' steps go on.
 void CudaEngine::load_slot_async(int slot, const HostStateBuffer& in) {
   check_usable("load_slot_async");
-  if (slot < 0 || slot >= max_slots_) {
-    throw std::invalid_argument(slot_context("load_slot_async", slot) + " is out of range [0, " +
-                                std::to_string(max_slots_) + ")");
-  }
+  check_slot("load_slot_async", slot);
   if (!is_page_locked(in.bytes().data(), in.size())) {  // not this engine's buffer: an ordinary load
     load_slot(slot, in.bytes());
     return;
@@ -328,10 +322,7 @@ void CudaEngine::load_slot_async(int slot, const HostStateBuffer& in) {
 // and later work on the slot waits for it on the device.
 void CudaEngine::save_slot_async(int slot, HostStateBuffer& out) {
   check_usable("save_slot_async");
-  if (slot < 0 || slot >= max_slots_) {
-    throw std::invalid_argument(slot_context("save_slot_async", slot) + " is out of range [0, " +
-                                std::to_string(max_slots_) + ")");
-  }
+  check_slot("save_slot_async", slot);
   if (!is_page_locked(out.bytes().data(), out.size())) {  // not this engine's buffer: an ordinary save
     save_slot(slot, out.bytes());
     return;
@@ -378,10 +369,7 @@ void CudaEngine::zero_slot(int slot) {
 }
 
 void CudaEngine::set_sampling(int slot, const SamplingParams& params) {
-  if (slot < 0 || slot >= max_slots_) {
-    throw std::invalid_argument(slot_context("set_sampling", slot) + " is out of range [0, " +
-                                std::to_string(max_slots_) + ")");
-  }
+  check_slot("set_sampling", slot);
   if (const std::string why = sampling_params_error(params, masks_.size()); !why.empty()) {
     throw std::invalid_argument(slot_context("set_sampling", slot) + ": " + why);
   }
@@ -436,10 +424,7 @@ void CudaEngine::submit(std::span<const int32_t> slots, std::span<const int32_t>
   ++step_serial_;
   for (size_t i = 0; i < n; ++i) {
     const int slot = slots[i];
-    if (slot < 0 || slot >= max_slots_) {
-      throw std::invalid_argument(slot_context("step", slot) + " is out of range [0, " +
-                                  std::to_string(max_slots_) + ")");
-    }
+    check_slot("step", slot);
     if (seen_in_step_[slot] == step_serial_) {
       throw std::invalid_argument(slot_context("step", slot) + " is listed twice");
     }

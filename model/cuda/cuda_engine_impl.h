@@ -88,6 +88,8 @@ class CudaEngine final : public Engine, public CudaProfiling {
   void use_device() const;
   // Refuses the call once a CUDA error has left the engine unusable (see failure_).
   void check_usable(const char* fn) const;
+  // Throws std::invalid_argument naming `fn` unless 0 <= slot < max_slots.
+  void check_slot(const char* fn, int slot) const;
   // Runs `work` (the CUDA part of a call, after its checks) on the engine's device; if it
   // throws, the engine is unusable from then on (failure_) and the error goes on.
   template <typename Work>
