@@ -29,7 +29,10 @@ Scheduler::Scheduler(Engine& engine, SchedulerOptions options, ServerMetrics* me
       log_(log ? std::move(log) : spdlog::default_logger()),
       flusher_(static_cast<size_t>(engine.max_slots() + options.queue_capacity) + 16),
       prefill_chunk_(engine.has_prefill_path() ? std::min(options.prefill_chunk_tokens, engine.max_prefill_tokens())
-                                               : 0) {
+                                               : 0),
+      prefill_alone_(prefill_chunk_ == 0
+                         ? 0
+                         : std::max(prefill_chunk_, std::min(options.prefill_alone_tokens, engine.max_prefill_tokens()))) {
   const int n = engine.max_slots();
   slots_.resize(n);
   for (auto& s : slots_) s.feed.reserve(512);
@@ -658,7 +661,12 @@ void Scheduler::prefill(SubmittedStep& step) {
             [&](int a, int b) { return slots_[a].turn_start < slots_[b].turn_start; });
   prefill_runs_.clear();
   prefill_entries_.clear();
-  size_t budget = static_cast<size_t>(prefill_chunk_);
+  // prefill_chunk_ bounds a pass to hold the replying streams' inter-token latency; with
+  // none replying (this iteration's step empty), a pass may read more.
+  const bool alone = step.size() == 0 && std::none_of(slots_.begin(), slots_.end(), [](const Slot& s) {
+    return s.seq && s.phase == Phase::kReplying;
+  });
+  size_t budget = static_cast<size_t>(alone ? prefill_alone_ : prefill_chunk_);
   size_t total = 0;
   for (const int i : prefill_order_) {
     if (budget == 0) break;

@@ -74,6 +74,11 @@ struct SchedulerOptions {
   // max_prefill_tokens() where that is less); 0, or an engine without a prefill path of
   // its own (Engine::has_prefill_path()): every input token is one decode step.
   int prefill_chunk_tokens = 0;
+  // With prefill on: the input tokens a pass reads when no stream is replying (nobody's
+  // inter-token latency to hold): one large pass reads a prompt faster than several small
+  // ones with a round trip each (the engine's max_prefill_tokens() where that is less).
+  // At most prefill_chunk_tokens (0): always prefill_chunk_tokens.
+  int prefill_alone_tokens = 0;
   // With prefill on: a sequence with streamed input (Converse) whose unread input is
   // shorter than this reads it by decode steps instead, one token a step beside the
   // replying streams (input that arrives a frame at a time costs them nothing that way,
@@ -255,6 +260,8 @@ class Scheduler {
   SubmittedStep* submitted_after_ = nullptr;  // while collecting: the step submitted after it
   // Input tokens per iteration through prefill(); 0: through decode steps.
   const int prefill_chunk_;
+  // Input tokens per iteration through prefill() when no stream is replying (>= prefill_chunk_).
+  const int prefill_alone_;
   // The slot's unread input goes through prefill() (prefill on, and for streamed input at
   // least prefill_min_tokens of it), not through decode steps.
   bool reads_by_prefill(const Slot& s) const {

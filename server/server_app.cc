@@ -103,7 +103,9 @@ ServerApp::ServerApp(const ServerConfig& config, std::shared_ptr<spdlog::logger>
   engine_options.use_graphs = config_.cuda_graphs;
   engine_options.deterministic = config_.deterministic;
   engine_options.cuda = config_.cuda;
-  if (config_.prefill_chunk_tokens > 0) engine_options.max_prefill_tokens = config_.prefill_chunk_tokens;
+  if (config_.prefill_chunk_tokens > 0) {
+    engine_options.max_prefill_tokens = std::max(config_.prefill_chunk_tokens, config_.prefill_alone_tokens);
+  }
   if (vocab_) engine_options.sampling_masks = sampling_masks_for(*vocab_);
   parse_state_dtype(config_.state_dtype, &engine_options.state_dtype);
   if (config_.max_batch == 0) {
@@ -159,6 +161,7 @@ ServerApp::ServerApp(const ServerConfig& config, std::shared_ptr<spdlog::logger>
   scheduler_options.queue_capacity = config_.queue_capacity;
   scheduler_options.pipelined = config_.pipelined_steps;
   scheduler_options.prefill_chunk_tokens = config_.prefill_chunk_tokens;
+  scheduler_options.prefill_alone_tokens = config_.prefill_alone_tokens;
   scheduler_options.prefill_min_tokens = config_.prefill_min_tokens;
   scheduler_options.session_idle_timeout = from_seconds(config_.session_idle_timeout_s);
   scheduler_options.on_engine_unusable = [this](const std::string&) { report_not_serving(); };

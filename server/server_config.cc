@@ -60,6 +60,10 @@ const std::vector<Setting>& settings() {
       {"prefill_chunk_tokens", &ServerConfig::prefill_chunk_tokens,
        "prompt and Converse input tokens read by prefill per scheduler iteration, between the "
        "decode steps of the running streams; 0: one decode step per input token"},
+      {"prefill_alone_tokens", &ServerConfig::prefill_alone_tokens,
+       "input tokens read by prefill per scheduler iteration while no stream is replying (no "
+       "inter-token latency to hold); the larger of it and prefill_chunk_tokens applies, and "
+       "the engine's prefill buffers are sized for it"},
       {"prefill_min_tokens", &ServerConfig::prefill_min_tokens,
        "Converse input shorter than this (a frame of speech units) is read by decode steps "
        "beside the replying streams instead of by prefill; 1: all input by prefill (Generate "
@@ -301,6 +305,7 @@ void ServerConfig::validate() const {
   check_int("queue_capacity", queue_capacity, 0, 1'000'000);
   // (The engine sizes its prefill buffers for one chunk at load.)
   check_int("prefill_chunk_tokens", prefill_chunk_tokens, 0, 65536);
+  check_int("prefill_alone_tokens", prefill_alone_tokens, 1, 65536);
   check_int("prefill_min_tokens", prefill_min_tokens, 1, 65536);
   check_int("max_new_tokens_limit", max_new_tokens_limit, 1, 1 << 24);
   check_int("max_prompt_tokens", max_prompt_tokens, 1, 1 << 24);

@@ -28,6 +28,7 @@ struct ServerConfig {
   int queue_capacity = 64;                   // requests waiting for a slot; more: RESOURCE_EXHAUSTED
   bool pipelined_steps = true;               // submit each step before the previous one's tokens are out
   int prefill_chunk_tokens = 512;            // input tokens read by prefill per iteration; 0 = by decode steps
+  int prefill_alone_tokens = 2048;           // the same while no stream replies (the larger of the two)
   int prefill_min_tokens = 32;               // shorter unread Converse input is read by decode steps
   int max_new_tokens_limit = 4096;           // per request / per reply
   int max_prompt_tokens = 8192;              // per prompt / per pending Converse input

@@ -189,6 +189,31 @@ TEST(SchedulerPrefillTest, APromptIsReadInChunksOfTheBudget) {
   }
 }
 
+TEST(SchedulerPrefillTest, APromptReadWhileNoStreamRepliesTakesTheLargerPass) {
+  RecordingEngine engine(2);
+  SchedulerOptions options = chunked(4);
+  options.prefill_alone_tokens = 8;
+  Scheduler scheduler(engine, options, nullptr, nullptr);
+  auto alone = start(scheduler, iota(100, 10), 2);
+  EXPECT_EQ(alone->wait_closed(), StreamStatus::kOk);
+  EXPECT_EQ(alone->got(), (std::vector<int32_t>{110, 111}));
+  // Beside a replying stream, passes of prefill_chunk_tokens again.
+  auto a = start(scheduler, {1}, 100000);
+  while (a->count() < 5) std::this_thread::sleep_for(1ms);
+  auto b = start(scheduler, iota(500, 10), 2);
+  EXPECT_EQ(b->wait_closed(), StreamStatus::kOk);
+  a->seq->request_cancel(StreamStatus::kCancelled, "cancelled by the test");
+  scheduler.wake();
+  EXPECT_EQ(a->wait_closed(), StreamStatus::kCancelled);
+  EXPECT_EQ(b->got(), (std::vector<int32_t>{510, 511}));
+  std::vector<std::vector<int32_t>> reads;
+  for (const auto& call : engine.calls())
+    if (call.prefill)
+      for (const auto& [slot, tokens] : call.slots) reads.push_back(tokens);
+  EXPECT_EQ(reads, (std::vector<std::vector<int32_t>>{iota(100, 8), iota(108, 2), {1}, iota(500, 4), iota(504, 4),
+                                                       iota(508, 2)}));
+}
+
 TEST(SchedulerPrefillTest, ConverseInputShorterThanTheMinimumRidesTheDecodeSteps) {
   RecordingEngine engine(1);
   SchedulerOptions options = chunked(8);

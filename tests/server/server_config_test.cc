@@ -133,6 +133,16 @@ TEST(ServerConfigTest, PrefillChunkTokens) {
             "prefill_chunk_tokens must be between 0 and 65536, got 65537");
 }
 
+TEST(ServerConfigTest, PrefillAloneTokens) {
+  EXPECT_EQ(ServerConfig{}.prefill_alone_tokens, 2048);
+  EXPECT_EQ(load_server_config_file(M3_TEST_SERVER_YAML).prefill_alone_tokens, 2048);  // documented there
+  EXPECT_EQ(parse_command_line({"--prefill-alone-tokens", "8192"}, "").config.prefill_alone_tokens, 8192);
+  // Below prefill_chunk_tokens it is simply the smaller of the two (the larger applies).
+  EXPECT_EQ(from_yaml("prefill_chunk_tokens: 4096\n").prefill_alone_tokens, 2048);
+  EXPECT_EQ(error_of([] { from_yaml("prefill_alone_tokens: 0\n"); }),
+            "prefill_alone_tokens must be between 1 and 65536, got 0");
+}
+
 TEST(ServerConfigTest, PrefillMinTokens) {
   EXPECT_EQ(ServerConfig{}.prefill_min_tokens, 32);
   EXPECT_EQ(load_server_config_file(M3_TEST_SERVER_YAML).prefill_min_tokens, 32);  // documented there
