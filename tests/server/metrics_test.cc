@@ -14,6 +14,8 @@
 #include <stdexcept>
 #include <string>
 
+#include "server/session_metrics.h"
+#include "server/snapshot_metrics.h"
 #include "tests/error_of.h"
 
 namespace m3 {
@@ -160,14 +162,17 @@ TEST(ServerMetrics, TheGrafanaDashboardUsesTheExportedSeries) {
   std::ifstream file(M3_TEST_DASHBOARD);
   ASSERT_TRUE(file) << M3_TEST_DASHBOARD;
   const std::string dashboard(std::istreambuf_iterator<char>(file), {});
-  const std::string exposition = ServerMetrics("").serialize();
+  ServerMetrics metrics("");
+  const SessionMetrics sessions(metrics.registry());
+  const SnapshotMetrics snapshots(metrics.registry());
+  const std::string exposition = metrics.serialize();
 
   std::set<std::string> exported;
   const std::regex type_line("# TYPE (m3serve_[a-z_]+) ");
   for (std::sregex_iterator it(exposition.begin(), exposition.end(), type_line), end; it != end; ++it) {
     exported.insert((*it)[1]);
   }
-  EXPECT_EQ(exported.size(), 11u);
+  EXPECT_EQ(exported.size(), 11u + 6u + 6u);  // the server's, the sessions', the snapshots'
 
   std::set<std::string> charted;
   const std::regex name("m3serve_[a-z_]+");
