@@ -20,6 +20,7 @@
 #   realtime scripts/device_serve_check.sh realtime (REALTIME_FLAGS: more m3serve flags)
 #   swap     scripts/device_serve_check.sh swap: idle sessions out of 8 slots and back
 #   snapshot scripts/device_serve_check.sh snapshot: Generate from a stored prefix
+#   prefix   scripts/device_serve_check.sh prefix: time to first token with and without prefix_cache
 #   variant_tests  only the packed variants' test binaries (VARIANT_BINS)
 # Logs go under $OUT (or ./device-out); a summary is printed last; exit 1 when anything
 # failed.
@@ -240,6 +241,14 @@ run_snapshot() {
   fi
 }
 
+run_prefix() {
+  if M3_SERVE_BIN=$DEV/bin timeout 200 "$ROOT/scripts/device_serve_check.sh" prefix 2>&1 | tee "$OUT/prefix.txt"; then
+    note "$(grep -E '^prefix_cache' "$OUT/prefix.txt" | tr '\n' ' ')"
+  else
+    fail "prefix"
+  fi
+}
+
 run_swap() {
   if M3_SERVE_BIN=$DEV/bin timeout 200 "$ROOT/scripts/device_serve_check.sh" swap 2>&1 | tee "$OUT/swap.txt"; then
     note "swap: $(grep -E '^swap-ins|same with' "$OUT/swap.txt" | tr '\n' ' ')"
@@ -276,6 +285,7 @@ for mode in "$@"; do
     realtime) run_realtime ;;
     swap) run_swap ;;
     snapshot) run_snapshot ;;
+    prefix) run_prefix ;;
     variant_tests) VARIANTS_ONLY=1 run_tests ;;
     *) fail "unknown mode $mode" ;;
   esac

@@ -11,6 +11,9 @@
 # M3_SERVE_BACKEND=cpu runs the same on the CPU engine (to try the script without a GPU).
 # `swap`: idle Converse sessions swapped out of 8 slots and back (needs M3_SERVE_BIN).
 # `snapshot`: Generate from a stored prefix against the whole prompt (needs M3_SERVE_BIN).
+# `prefix`: time to first token of prompts sharing a 2048-token prefix, with and without
+# prefix_cache (needs M3_SERVE_BIN; M3_SERVE_BACKEND=cpu M3_SERVE_MODEL=configs/models/tiny.json
+# M3_PREFIX_LEN=256 try it on the CPU).
 # `realtime` serves the same model with max_batch auto and runs `m3bench realtime` (Generate,
 # then --duplex) at M3_RT_STREAMS / M3_RT_DUPLEX_STREAMS streams of 100 tokens/s, JSON under
 # $OUT (scripts/plot_bench.py realtime plots them).
@@ -24,8 +27,8 @@ prepare_model() {
   OUT=${OUT:-$PWD/device-out}
   mkdir -p "$OUT"
   D=$(mktemp -d)
-  for b in m3make m3serve m3cli; do ln -s "$M3_SERVE_BIN/$b" "$D/$b"; done
-  "$D/m3make" --config "$ROOT/configs/models/s2s-14l.json" --seed 1 --dtype bf16 --out "$D/s2s" \
+  for b in m3make m3serve m3cli m3bench; do ln -s "$M3_SERVE_BIN/$b" "$D/$b"; done
+  "$D/m3make" --config "$ROOT/${M3_SERVE_MODEL:-configs/models/s2s-14l.json}" --seed 1 --dtype bf16 --out "$D/s2s" \
       >"$OUT/make.log" 2>&1 || { cat "$OUT/make.log"; exit 1; }
 }
 
@@ -60,7 +63,7 @@ run | realtime)
     tar xzf "$ROOT/.device/srv.tgz" -C "$D"
     export LD_LIBRARY_PATH=$D/lib
   fi
-  "$D/m3make" --config "$ROOT/configs/models/s2s-14l.json" --seed 1 --dtype bf16 --out "$D/s2s" \
+  "$D/m3make" --config "$ROOT/${M3_SERVE_MODEL:-configs/models/s2s-14l.json}" --seed 1 --dtype bf16 --out "$D/s2s" \
       >"$OUT/make.log" 2>&1 || { cat "$OUT/make.log"; exit 1; }
   # M3_SERVE_FLAGS: more m3serve flags (e.g. "--pipelined-steps false" for an A/B run).
   # shellcheck disable=SC2086
@@ -189,8 +192,25 @@ snapshot)
 
 --prefill-min-tokens 1"
   ;;
+prefix)
+  # The prefix cache on a shared prefix: 8 requests one after another, each the same
+  # M3_PREFIX_LEN (2048) ids and then 64 of its own, one new token; the first reads the
+  # whole prompt either way, the others only their own 64 ids with the cache.
+  prepare_model
+  for cache in false true; do
+    "$D/m3serve" --backend "${M3_SERVE_BACKEND:-cuda}" --model "$D/s2s" --max-batch 8 --prefix-cache "$cache" \
+        --listen 127.0.0.1:50051 --metrics-listen "" >"$OUT/serve_prefix_$cache.log" 2>&1 &
+    server=$!
+    for _ in $(seq 120); do "$D/m3cli" health >/dev/null 2>&1 && break; sleep 0.5; done
+    "$D/m3bench" serve --concurrency 1 --requests 8 --prompt-len 64 --shared-prefix "${M3_PREFIX_LEN:-2048}" \
+        --max-new-tokens 1 >"$OUT/bench_prefix_$cache.txt" 2>&1
+    echo "prefix_cache $cache: $(grep -E '^(ok|time to first token)' "$OUT/bench_prefix_$cache.txt" | tr '\n' ' ')"
+    kill -TERM "$server"
+    wait "$server"
+  done
+  ;;
 *)
-  echo "usage: $0 pack [BUILD_DIR] | run | realtime | swap | snapshot" >&2
+  echo "usage: $0 pack [BUILD_DIR] | run | realtime | swap | snapshot | prefix" >&2
   exit 2
   ;;
 esac
