@@ -300,7 +300,7 @@ HostStateBuffer CudaEngine::allocate_host_state() const {
 }
 
 // The copy runs on the copier's stream beside the steps; only work that uses the slot waits
-// for it (wait_for_loads), so the other slots' steps go on.
+// for it (wait_for_copies), so the other slots' steps go on.
 void CudaEngine::load_slot_async(int slot, const HostStateBuffer& in) {
   check_usable("load_slot_async");
   check_slot("load_slot_async", slot);
