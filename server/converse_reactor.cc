@@ -64,6 +64,7 @@ ConverseReactor::Handled ConverseReactor::handle(const v1::ConverseRequest& r) {
         return Handled::kStop;
       }
       config_ = r.config();
+      if (!config_.resume_snapshot_id().empty() && ctx_.snapshots != nullptr) return resume_on_worker();
       return start_session() ? Handled::kContinue : Handled::kStop;
     }
     case v1::ConverseRequest::kInput:
@@ -181,10 +182,31 @@ std::string ConverseReactor::check_pending_input(size_t more) {
          std::to_string(limit) + " (max_prompt_tokens); wait for a reply before sending more turns";
 }
 
+ConverseReactor::Handled ConverseReactor::resume_on_worker() {
+  // The store may be slow or unreachable: it is read on the snapshot worker, so that no
+  // gRPC thread waits on it. The stream leaves UnstartedSessions first, so that a shutdown
+  // meanwhile cannot finish it under the worker; the scheduler refuses it then instead.
+  if (!ctx_.unstarted_sessions.take(this)) return Handled::kStop;  // the shutdown finishes it
+  ctx_.snapshots->post([this] {
+    std::string error;
+    const StreamStatus status = load_snapshot(ctx_, config_.resume_snapshot_id(), &resume_state_, &error);
+    if (status != StreamStatus::kOk) {
+      complete(status, "resume_snapshot_id: " + error);
+      return;
+    }
+    start_taken_session(/*resume_reading=*/true);  // nothing of this reactor's is touched after it
+  });
+  return Handled::kPaused;
+}
+
 bool ConverseReactor::start_session() {
   // From here the scheduler (or the refusal below) ends the stream; when a shutdown took
   // it first, the shutdown finishes it.
   if (!ctx_.unstarted_sessions.take(this)) return false;
+  return start_taken_session(/*resume_reading=*/false);
+}
+
+bool ConverseReactor::start_taken_session(bool resume_reading) {
   if (!config_.session_id().empty()) session_id_ = config_.session_id();
   SequenceParams params;
   params.request_id = session_id_;
@@ -195,7 +217,9 @@ bool ConverseReactor::start_session() {
   params.end_of_reply_id = ctx_.end_of_reply_id;
   params.stop_token_ids.assign(config_.stop_token_ids().begin(), config_.stop_token_ids().end());
   params.deadline = steady_deadline(call_->deadline());
-  if (!config_.resume_snapshot_id().empty()) {
+  if (resume_state_) {
+    params.start_state = std::move(resume_state_);
+  } else if (!config_.resume_snapshot_id().empty()) {  // no snapshot service: refused at once
     std::string error;
     const StreamStatus status = load_snapshot(ctx_, config_.resume_snapshot_id(), &params.start_state, &error);
     if (status != StreamStatus::kOk) {
@@ -215,9 +239,13 @@ bool ConverseReactor::start_session() {
   // A cancellation that came while the session was being made found no sequence to end:
   // this one starts ended (the scheduler closes it at admission), not prefilling its input.
   if (cancelled) request_cancel_for_call_end(*seq, *call_);
+  // Off the reader (on the snapshot worker), reading resumes before the scheduler has the
+  // session: once it has it, it may end the stream, and the reactor with it, at any time.
+  // The reader may use seq_ from then on, so it stays set even if refused.
+  if (resume_reading) StartRead(&request_bytes_);
   Scheduler::Admission admission = ctx_.scheduler->submit(seq);
   if (admission.status == StreamStatus::kOk) return true;
-  {
+  if (!resume_reading) {
     std::lock_guard lock(seq_mu_);
     seq_.reset();
   }

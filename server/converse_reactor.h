@@ -38,7 +38,8 @@ class ConverseReactor final
   void end_unstarted(StreamStatus status, const std::string& message) override;
 
  private:
-  enum class Handled { kContinue, kStop };
+  // kPaused: the next read starts later (a resume snapshot is being read on the worker).
+  enum class Handled { kContinue, kStop, kPaused };
   Handled handle(const v1::ConverseRequest& request);
   Handled add_input(std::vector<int32_t> ids, const char* field);
   // "" or the RESOURCE_EXHAUSTED message when `more` tokens would put the session's input
@@ -46,6 +47,12 @@ class ConverseReactor final
   std::string check_pending_input(size_t more);
   // false: refused or shutting down, and the stream is finished (or being finished).
   bool start_session();
+  // start_session's part once the stream is out of UnstartedSessions; resume_reading: also
+  // start the next read (off the reader thread, before the scheduler has the session).
+  bool start_taken_session(bool resume_reading);
+  // The config's resume_snapshot_id read on the snapshot worker, then the session started
+  // and reading resumed there.
+  Handled resume_on_worker();
   void fail(const std::string& message);  // INVALID_ARGUMENT
   void end_session(StreamStatus status, const std::string& message);
   void end_without_session();  // the client's side ended before it started a session
@@ -63,6 +70,7 @@ class ConverseReactor final
   v1::SessionConfig config_;
   int32_t sampling_mask_ = -1;  // config_.sampling.allowed's engine mask
   uint64_t messages_read_ = 0;
+  std::shared_ptr<const SequenceState> resume_state_;  // read by resume_on_worker
   uint32_t turns_ended_ = 0;
   size_t turn_input_tokens_ = 0;
 

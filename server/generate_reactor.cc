@@ -5,6 +5,7 @@
 #include "server/prompt_segments.h"
 #include "server/vocab_serving.h"
 #include "server/snapshot_calls.h"
+#include "server/snapshot_service.h"
 
 namespace m3 {
 
@@ -52,21 +53,46 @@ void GenerateReactor::start(const v1::GenerateRequest& request) {
   seed_ = params.sampling.seed;
   params.stop_token_ids.assign(request.stop_token_ids().begin(), request.stop_token_ids().end());
   params.deadline = steady_deadline(call_->deadline());
-  if (!request.prefix_snapshot_id().empty()) {
+  if (request.prefix_snapshot_id().empty()) {
+    submit(std::move(params), prompt, request.max_new_tokens());
+    return;
+  }
+  if (ctx_.snapshots == nullptr) {  // no store to wait on: refused at once, saying why
     const StreamStatus status = load_snapshot(ctx_, request.prefix_snapshot_id(), &params.start_state, &error);
+    complete(status, "prefix_snapshot_id: " + error);
+    return;
+  }
+  // The store may be slow or unreachable: it is read on the snapshot worker, so that no
+  // gRPC thread waits on it (the call stays open until the worker finishes or submits it).
+  ctx_.snapshots->post([this, params = std::move(params), prompt = std::move(prompt),
+                        id = request.prefix_snapshot_id(), max_new = request.max_new_tokens()]() mutable {
+    std::string why;
+    const StreamStatus status = load_snapshot(ctx_, id, &params.start_state, &why);
     if (status != StreamStatus::kOk) {
-      complete(status, "prefix_snapshot_id: " + error);
+      complete(status, "prefix_snapshot_id: " + why);
       return;
     }
-  }
+    submit(std::move(params), prompt, max_new);
+  });
+}
 
+void GenerateReactor::submit(SequenceParams params, const std::vector<int32_t>& prompt, uint32_t max_new_tokens) {
   // It never holds more unread tokens than it may generate.
-  const size_t buffer = std::min<size_t>(ctx_.stream_buffer_tokens, request.max_new_tokens());
-  seq_ = std::make_shared<Sequence>(std::move(params), buffer, this);
-  seq_->add_input(prompt);
-  seq_->end_turn(request.max_new_tokens());
-  seq_->close_input();
-  Scheduler::Admission admission = ctx_.scheduler->submit(seq_);
+  const size_t buffer = std::min<size_t>(ctx_.stream_buffer_tokens, max_new_tokens);
+  auto seq = std::make_shared<Sequence>(std::move(params), buffer, this);
+  seq->add_input(prompt);
+  seq->end_turn(max_new_tokens);
+  seq->close_input();
+  bool cancelled = false;
+  {
+    std::lock_guard lock(seq_mu_);
+    seq_ = seq;
+    cancelled = call_cancelled_;
+  }
+  // A cancellation that came before the sequence existed found nothing to end: this one
+  // starts ended (the scheduler closes it at admission).
+  if (cancelled) request_cancel_for_call_end(*seq, *call_);
+  Scheduler::Admission admission = ctx_.scheduler->submit(seq);
   if (admission.status != StreamStatus::kOk) complete(admission.status, admission.message);
 }
 
@@ -124,8 +150,14 @@ void GenerateReactor::OnWriteDone(bool ok) {
 }
 
 void GenerateReactor::OnCancel() {
-  if (!seq_) return;
-  request_cancel_for_call_end(*seq_, *call_);
+  std::shared_ptr<Sequence> seq;
+  {
+    std::lock_guard lock(seq_mu_);
+    call_cancelled_ = true;
+    seq = seq_;
+  }
+  if (!seq) return;
+  request_cancel_for_call_end(*seq, *call_);
   ctx_.scheduler->wake();
 }
 

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -29,6 +30,8 @@ class GenerateReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer>,
  private:
   // Everything after the request is parsed.
   void start(const v1::GenerateRequest& request);
+  // The sequence made and handed to the scheduler (after its prefix snapshot is read).
+  void submit(SequenceParams params, const std::vector<int32_t>& prompt, uint32_t max_new_tokens);
   // The request's id when it is valid, else one the server makes.
   std::string id_to_log(const v1::GenerateRequest& request);
   // Returns "" or the INVALID_ARGUMENT message.
@@ -41,7 +44,11 @@ class GenerateReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer>,
   const Clock::time_point start_;
   std::string request_id_;
   uint64_t seed_ = 0;
+  // seq_ is set once, by the thread that submits it (a gRPC thread, or the snapshot worker
+  // after reading a prefix snapshot), and read by OnCancel, which may come first.
+  std::mutex seq_mu_;
   std::shared_ptr<Sequence> seq_;
+  bool call_cancelled_ = false;  // OnCancel ran (under seq_mu_)
   StreamStatus final_status_ = StreamStatus::kOk;
   std::string final_message_;
 

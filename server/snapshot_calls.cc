@@ -201,16 +201,24 @@ void create_snapshot(ServiceContext& ctx, grpc::CallbackServerContext* call, con
   params.request_id = id;
   params.session = true;  // it reads its input, stays idle for the save, then closes
   params.deadline = steady_deadline(call->deadline());
-  if (!request->base_snapshot_id().empty()) {
+  auto c = std::make_shared<CreateSnapshotCall>(ctx, reactor, response, id);
+  if (request->base_snapshot_id().empty()) {
+    c->start(std::move(params), prompt);
+    return;
+  }
+  // The base is read on the snapshot worker, so that no gRPC thread waits on the store.
+  ctx.snapshots->post([&ctx, c, id, start, params = std::move(params), prompt = std::move(prompt),
+                       base = request->base_snapshot_id(), reactor]() mutable {
     std::string error;
-    const StreamStatus status = load_snapshot(ctx, request->base_snapshot_id(), &params.start_state, &error);
+    const StreamStatus status = load_snapshot(ctx, base, &params.start_state, &error);
     if (status != StreamStatus::kOk) {
-      refuse(status, "base_snapshot_id: " + error);
+      const std::string message = "base_snapshot_id: " + error;
+      record(ctx, "CreateSnapshot", id, start, status, message);
+      reactor->Finish(to_grpc_status(status, message));
       return;
     }
-  }
-  auto c = std::make_shared<CreateSnapshotCall>(ctx, reactor, response, id);
-  c->start(std::move(params), prompt);
+    c->start(std::move(params), prompt);
+  });
 }
 
 namespace {

@@ -16,7 +16,8 @@ namespace m3 {
 
 // The state stored under `id` for a sequence to start from; on failure the status
 // (NOT_FOUND, FAILED_PRECONDITION, DATA_LOSS, UNAVAILABLE, ...) and *error says why.
-// Blocks on the store.
+// Blocks on the store: callers run it on the snapshot worker (SnapshotService::post), so that
+// a slow or unreachable store holds no gRPC thread.
 StreamStatus load_snapshot(ServiceContext& ctx, const std::string& id, std::shared_ptr<const SequenceState>* state,
                            std::string* error);
 

@@ -368,6 +368,60 @@ TEST(SnapshotErrors, AnUnreachableStoreIsUnavailableAndServingGoesOn) {
   EXPECT_EQ(plain.tokens, engine_generate(kRest, 5));
 }
 
+// A store that takes connections and never answers (a Redis hung or behind a dropped
+// route): each call waits out the store's timeout.
+class SilentListener {
+ public:
+  SilentListener() {
+    fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    ::bind(fd_, reinterpret_cast<sockaddr*>(&a), sizeof a);
+    ::listen(fd_, 64);  // never accepted: the kernel completes the handshakes, nobody reads
+    socklen_t len = sizeof a;
+    ::getsockname(fd_, reinterpret_cast<sockaddr*>(&a), &len);
+    port_ = ntohs(a.sin_port);
+  }
+  ~SilentListener() { ::close(fd_); }
+  int port() const { return port_; }
+
+ private:
+  int fd_ = -1;
+  int port_ = 0;
+};
+
+TEST(SnapshotErrors, RequestsThatDoNotNeedAHungStoreAreServedWhileOthersWaitForIt) {
+  SilentListener silent;
+  TestServer server(config_with_store("redis://127.0.0.1:" + std::to_string(silent.port())));
+  // Generate from a prefix, Converse resuming, CreateSnapshot on a base: two of each.
+  constexpr int kWaiting = 6;
+  std::vector<std::thread> waiting;
+  std::vector<grpc::StatusCode> codes(kWaiting);
+  for (int k = 0; k < kWaiting; ++k) {
+    waiting.emplace_back([&, k] {
+      if (k % 3 == 0) {
+        codes[k] = generate(*server.stub, from_prefix("snap-x", kRest, 5)).status.error_code();
+      } else if (k % 3 == 1) {
+        Session resumed(*server.stub, "snap-y");
+        codes[k] = resumed.finish().error_code();
+      } else {
+        codes[k] = create_snapshot(*server.stub, kRest, "snap-z").status.error_code();
+      }
+    });
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));  // they are all waiting on the store now
+  const auto start = std::chrono::steady_clock::now();
+  const GenerateResult plain = generate(*server.stub, generate_request(kRest, 5));
+  const double waited_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  ASSERT_TRUE(plain.status.ok()) << plain.status.error_message();
+  EXPECT_EQ(plain.tokens, engine_generate(kRest, 5));
+  // Well under one store timeout (2 s): nothing it needs waits behind the store.
+  EXPECT_LT(waited_s, 1.0);
+  for (auto& t : waiting) t.join();
+  for (int k = 0; k < kWaiting; ++k) EXPECT_EQ(codes[k], grpc::StatusCode::UNAVAILABLE) << "call " << k;
+}
+
 TEST(SnapshotErrors, ASaveTheStoreCannotTakeEndsTheSessionWithTheStoresError) {
   const int port = free_loopback_port();
   TestServer server(config_with_store("redis://127.0.0.1:" + std::to_string(port)));

@@ -21,6 +21,8 @@ namespace m3 {
 namespace {
 
 using ::testing::HasSubstr;
+using ::testing::Not;
+using ::testing::StartsWith;
 using namespace std::chrono_literals;
 
 std::vector<std::byte> blob(size_t n, uint8_t v) { return std::vector<std::byte>(n, std::byte{v}); }
@@ -120,6 +122,28 @@ TEST(SnapshotStore, AnUnreachableRedisIsUnavailableWithItsAddress) {
     EXPECT_EQ(e.kind(), SnapshotStoreError::Kind::kUnavailable);
     EXPECT_THAT(e.what(), HasSubstr("snapshot store redis://127.0.0.1:" + std::to_string(port) + " is unreachable"));
   }
+}
+
+TEST(SnapshotStore, AfterARedisFailureCallsFailAtOnceForASecondThenTryAgain) {
+  const int port = test::free_loopback_port();
+  SnapshotStore s(make_snapshot_backend("redis://127.0.0.1:" + std::to_string(port)), 0, 0ms, nullptr);
+  const auto message_of_get = [&] {
+    try {
+      s.get("a");
+    } catch (const SnapshotStoreError& e) {
+      EXPECT_EQ(e.kind(), SnapshotStoreError::Kind::kUnavailable);
+      return std::string(e.what());
+    }
+    ADD_FAILURE() << "no error";
+    return std::string();
+  };
+  const std::string first = message_of_get();
+  EXPECT_THAT(first, Not(HasSubstr("not tried again")));
+  const std::string soon = message_of_get();
+  EXPECT_THAT(soon, StartsWith(first));
+  EXPECT_THAT(soon, HasSubstr("(not tried again until 1 s after a failure)"));
+  std::this_thread::sleep_for(1100ms);
+  EXPECT_EQ(message_of_get(), first);  // tried: refused again, as the first time
 }
 
 TEST(SnapshotStore, TwoStoresShareOneRedis) {
