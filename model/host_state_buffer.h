@@ -1,8 +1,8 @@
 // Host memory for one slot's state bytes (Engine::slot_state_bytes() long), made by the
 // engine that copies to and from it (Engine::allocate_host_state): page-locked where the
 // engine is a GPU's, so save_slot and load_slot move it with one DMA and no staging copy;
-// plain memory elsewhere. Making one is slow (page locking takes milliseconds): keep it and
-// reuse it.
+// plain memory elsewhere. Making one is slow (page locking takes milliseconds, and the GPU's
+// streams do not overlap across it): keep it and reuse it.
 #pragma once
 
 #include <cstddef>
