@@ -233,27 +233,14 @@ run_realtime() {
   fi
 }
 
-run_snapshot() {
-  if M3_SERVE_BIN=$DEV/bin timeout 200 "$ROOT/scripts/device_serve_check.sh" snapshot 2>&1 | tee "$OUT/snapshot.txt"; then
-    note "$(grep -E '^snapshot' "$OUT/snapshot.txt" | tr '\n' ' ')"
+# One device_serve_check.sh mode (needs the bundle's binaries); the lines of its output
+# that match PATTERN go into the summary.
+run_serve_mode() {
+  local mode=$1 pattern=$2
+  if M3_SERVE_BIN=$DEV/bin timeout 200 "$ROOT/scripts/device_serve_check.sh" "$mode" 2>&1 | tee "$OUT/$mode.txt"; then
+    note "$mode: $(grep -E "$pattern" "$OUT/$mode.txt" | tr '\n' ' ')"
   else
-    fail "snapshot"
-  fi
-}
-
-run_prefix() {
-  if M3_SERVE_BIN=$DEV/bin timeout 200 "$ROOT/scripts/device_serve_check.sh" prefix 2>&1 | tee "$OUT/prefix.txt"; then
-    note "$(grep -E '^prefix_cache' "$OUT/prefix.txt" | tr '\n' ' ')"
-  else
-    fail "prefix"
-  fi
-}
-
-run_swap() {
-  if M3_SERVE_BIN=$DEV/bin timeout 200 "$ROOT/scripts/device_serve_check.sh" swap 2>&1 | tee "$OUT/swap.txt"; then
-    note "swap: $(grep -E '^swap-ins|same with' "$OUT/swap.txt" | tr '\n' ' ')"
-  else
-    fail "swap"
+    fail "$mode"
   fi
 }
 
@@ -262,7 +249,7 @@ if [[ ${1:-} == pack ]]; then
   pack "$@"
   exit
 fi
-[[ $# -gt 0 ]] || { echo "usage: $0 pack [BUILD_DIR] | {tests|ab|prefill|bench|serve|realtime}..." >&2; exit 2; }
+[[ $# -gt 0 ]] || { echo "usage: $0 pack [BUILD_DIR] | {tests|ab|prefill|prefill_trace|prefill_ncu|bench|trace|serve|realtime|swap|snapshot|prefix|variant_tests}..." >&2; exit 2; }
 OUT=${OUT:-$ROOT/device-out}
 export OUT
 mkdir -p "$OUT"
@@ -283,9 +270,9 @@ for mode in "$@"; do
     trace) run_trace ;;
     serve) run_serve ;;
     realtime) run_realtime ;;
-    swap) run_swap ;;
-    snapshot) run_snapshot ;;
-    prefix) run_prefix ;;
+    swap) run_serve_mode swap '^swap-ins|same with' ;;
+    snapshot) run_serve_mode snapshot '^snapshot' ;;
+    prefix) run_serve_mode prefix '^prefix_cache' ;;
     variant_tests) VARIANTS_ONLY=1 run_tests ;;
     *) fail "unknown mode $mode" ;;
   esac
