@@ -115,6 +115,7 @@ CudaEngine::CudaEngine(const ModelWeights& weights, const EngineOptions& options
   seen_in_step_.assign(max_slots_, 0);
   slot_copied_.resize(max_slots_);
   copy_in_flight_.assign(max_slots_, 0);
+  copy_unwaited_.assign(max_slots_, 0);
   for (auto& e : step_done_) M3_CUDA_CHECK(cudaEventCreateWithFlags(e.out(), cudaEventDisableTiming));
 
   build_steps();
@@ -336,6 +337,7 @@ cudaEvent_t CudaEngine::async_copy_event(int slot) {
     M3_CUDA_CHECK(cudaEventCreateWithFlags(slot_copied_[slot].out(), cudaEventDisableTiming));
   }
   copy_in_flight_[slot] = 1;
+  copy_unwaited_[slot] = 1;
   return slot_copied_[slot];
 }
 
@@ -351,7 +353,9 @@ bool CudaEngine::slot_ready(int slot) const {
 }
 
 void CudaEngine::wait_for_copy(int32_t slot) {
-  if (copy_in_flight_[slot]) M3_CUDA_CHECK(cudaStreamWaitEvent(stream_, slot_copied_[slot], 0));
+  if (!copy_unwaited_[slot]) return;
+  M3_CUDA_CHECK(cudaStreamWaitEvent(stream_, slot_copied_[slot], 0));
+  copy_unwaited_[slot] = 0;  // all later work on stream_ is ordered after it too
 }
 
 void CudaEngine::wait_for_copies(std::span<const int32_t> slots) {

@@ -148,11 +148,14 @@ class CudaEngine final : public Engine, public CudaProfiling {
   DeviceMaskTable masks_;    // EngineOptions::sampling_masks, on the device from load
   DeviceBuffer frame_positions_;  // int32 [max_slots + 1], read and advanced by the sampling kernel
   SlotStateCopier slot_copier_;  // one slot's state to and from host bytes
-  // Per slot: the event of its last async copy (load_slot_async, save_slot_async), and
-  // whether that copy may still run (cleared once slot_ready() sees it done). The copies
-  // run in order on the copier's stream, so the last one's event covers the earlier ones.
+  // Per slot: the event of its last async copy (load_slot_async, save_slot_async); whether
+  // that copy may still run (cleared once slot_ready() sees it done: its buffer is free);
+  // and whether stream_ has yet to wait for it (cleared once a wait is queued, so a slot's
+  // steps queue that wait once, not every step). The copies run in order on the copier's
+  // stream, so the last one's event covers the earlier ones.
   std::vector<CudaEvent> slot_copied_;
   mutable std::vector<uint8_t> copy_in_flight_;
+  std::vector<uint8_t> copy_unwaited_;
   // Per queued step (kMaxQueuedSteps of each, by position in the queue's ring): the table
   // and sampling parameters it copies to the device (a later step's host side must not
   // change them before the copies run), its ids (written by the sampling kernels of the
