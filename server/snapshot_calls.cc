@@ -180,7 +180,8 @@ void create_snapshot(ServiceContext& ctx, grpc::CallbackServerContext* call, con
   const Clock::time_point start = Clock::now();
   std::string id = request->request_id();
   if (id.empty() || !check_request_id(id, "request_id").empty()) id = ctx.make_request_id("snap-req-");
-  const auto refuse = [&](StreamStatus status, const std::string& message) {
+  // (By value: the snapshot worker refuses with it too, after this call has returned.)
+  const auto refuse = [&ctx, reactor, id, start](StreamStatus status, const std::string& message) {
     record(ctx, "CreateSnapshot", id, start, status, message);
     reactor->Finish(to_grpc_status(status, message));
   };
@@ -207,14 +208,12 @@ void create_snapshot(ServiceContext& ctx, grpc::CallbackServerContext* call, con
     return;
   }
   // The base is read on the snapshot worker, so that no gRPC thread waits on the store.
-  ctx.snapshots->post([&ctx, c, id, start, params = std::move(params), prompt = std::move(prompt),
-                       base = request->base_snapshot_id(), reactor]() mutable {
+  ctx.snapshots->post([&ctx, c, refuse, params = std::move(params), prompt = std::move(prompt),
+                       base = request->base_snapshot_id()]() mutable {
     std::string error;
     const StreamStatus status = load_snapshot(ctx, base, &params.start_state, &error);
     if (status != StreamStatus::kOk) {
-      const std::string message = "base_snapshot_id: " + error;
-      record(ctx, "CreateSnapshot", id, start, status, message);
-      reactor->Finish(to_grpc_status(status, message));
+      refuse(status, "base_snapshot_id: " + error);
       return;
     }
     c->start(std::move(params), prompt);
