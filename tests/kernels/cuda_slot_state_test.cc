@@ -126,7 +126,7 @@ TEST_F(CudaSlotState, HostStateBuffersArePageLockedAndCopyAsPageableBytesDo) {
 
 TEST_F(CudaSlotState, AsyncLoadsLandBesideOtherSlotsStepsAndStepsOfTheSlotWaitForThem) {
   auto e = engine(3);
-  for (int32_t t : {3, 30, 300}) step1(*e, 0, t);
+  for (int32_t t : {3, 30, 190}) step1(*e, 0, t);
   step1(*e, 1, 7);
   HostStateBuffer buffer = e->allocate_host_state();
   e->save_slot(0, buffer.bytes());
