@@ -10,7 +10,7 @@
 namespace m3::kernels {
 
 struct MimoHeadState {
-  float* ssm;                // [P][N]
+  float* ssm;                // [P][N], fp32 or (layout.ssm_bf16) bf16
   float* x_prev;             // [P]
   const float* angle_old;    // [S]
   float* angle_new;          // [S]
@@ -24,7 +24,8 @@ __device__ __forceinline__ MimoHeadState mimo_head_state(const MimoStepArgs& a, 
   const int parity = a.parities[b] & 1;
   const int64_t H = a.heads, P = a.headdim, N = a.d_state, S = a.n_angles, RN = (int64_t)a.rank * a.d_state;
   float* st = a.state + slot * a.slot_stride + a.layer_offset;
-  return MimoHeadState{st + layout.ssm + h * P * N,
+  // A bf16 ssm part: the head's rows start h * P * N bf16 values (half as many floats) in.
+  return MimoHeadState{st + layout.ssm + (layout.ssm_bf16 ? h * P * N / 2 : h * P * N),
                        st + layout.x_prev + h * P,
                        st + layout.angle + parity * H * S + h * S,
                        st + layout.angle + (1 - parity) * H * S + h * S,

@@ -397,10 +397,12 @@ KernelLaunch plan_nv(const MimoStepArgs& a, const MimoStepPolicy& policy) {
 
 }  // namespace
 
-MimoStateLayout mimo_state_layout(int H, int P, int N, int R, int S) {
+MimoStateLayout mimo_state_layout(int H, int P, int N, int R, int S, bool ssm_bf16) {
   MimoStateLayout l;
+  l.ssm_bf16 = ssm_bf16;
   l.ssm = 0;
-  l.x_prev = l.ssm + (int64_t)H * P * N;
+  // (P * N is even for every shape mimo_step_shape_refusal accepts.)
+  l.x_prev = l.ssm + (ssm_bf16 ? (int64_t)H * P * N / 2 : (int64_t)H * P * N);
   l.angle = l.x_prev + (int64_t)H * P;
   l.k_prev = l.angle + 2 * (int64_t)H * S;
   l.floats = l.k_prev + 2 * (int64_t)H * R * N;
@@ -458,6 +460,11 @@ KernelLaunch plan_mimo_step(const MimoStepArgs& a, const MimoStepPolicy& policy)
     throw std::invalid_argument(what + ": out_proj cannot be fused at batch " + std::to_string(a.batch));
   }
   if (a.tensor_cores && mimo_step_tc_applies(a)) return plan_mimo_step_tc(a, policy);
+  if (a.state_bf16) {
+    throw std::invalid_argument(what + ": bf16 state is stored by the tensor-core kernel only (bf16 weights, "
+                                "rank 1, 2 or 4, headdim a multiple of 16 up to 64, d_state a multiple of 16 "
+                                "up to 128)");
+  }
   // A head's rows split over blocks unless the grouped output norm needs the whole head.
   switch (a.rank) {
     case 1: return plan_nv<1>(a, policy);

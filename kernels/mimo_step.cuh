@@ -22,15 +22,18 @@
 
 namespace m3::kernels {
 
-// Float offsets of one layer's recurrent state of one sequence.
+// Float offsets of one layer's recurrent state of one sequence. With ssm_bf16 the ssm
+// part holds bf16 values (two a float's room, the same [H][P][N] order; state_dtype bf16),
+// the other parts stay fp32: they are a few percent of the bytes.
 struct MimoStateLayout {
   int64_t ssm = 0;     // [H][P][N]
   int64_t x_prev = 0;  // [H][P]
   int64_t angle = 0;   // [2][H][S] (by parity)
   int64_t k_prev = 0;  // [2][H][R][N] (by parity)
   int64_t floats = 0;  // total
+  bool ssm_bf16 = false;
 };
-MimoStateLayout mimo_state_layout(int H, int P, int N, int R, int S);
+MimoStateLayout mimo_state_layout(int H, int P, int N, int R, int S, bool ssm_bf16 = false);
 
 struct MimoStepArgs {
   int heads = 0, headdim = 0, d_state = 0, rank = 0, n_angles = 0;  // H, P, N, R, S
@@ -56,7 +59,9 @@ struct MimoStepArgs {
   const float* mimo_o = nullptr;   // [H, R, P]
   const float* out_norm = nullptr; // [H*P] or nullptr (is_outproj_norm off)
   // State: slot s, this layer at state + s * slot_stride + layer_offset (MimoStateLayout).
+  // state_bf16: its ssm part is bf16 (the tensor-core kernel only; updated in fp32).
   float* state = nullptr;
+  bool state_bf16 = false;
   int64_t slot_stride = 0;
   int64_t layer_offset = 0;
   const int32_t* slots = nullptr;      // [batch]

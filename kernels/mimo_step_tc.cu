@@ -17,7 +17,8 @@
 // updated state enters y truncated, <= 2^-10); products are exact and accumulate in fp32,
 // and the state itself stays fp32 (alpha * ssm is an fp32 multiply). That is finer than
 // the bf16 weights feeding these values (2^-9), which is why only bf16-weight engines use
-// this kernel; fp32 engines keep the CUDA-core kernel.
+// this kernel; fp32 engines keep the CUDA-core kernel. With state_dtype bf16 the state is
+// rounded to bf16 as it is stored (and so only this kernel stores bf16 state).
 //
 // Layout: one block per (head, batch entry); warp w takes 16 state rows (row tile w % RT)
 // and a 1/CS share of the N columns. Each lane keeps, per 16-column group m, columns
@@ -59,6 +60,26 @@ __device__ __forceinline__ float4 load_state_streamed(const float* p) {
                : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
                : "l"(p));
   return v;
+}
+
+// The same 16-byte piece's four entries held in bf16 (state_dtype bf16): 8 bytes, widened.
+__device__ __forceinline__ float4 widen_bf16x4(uint2 v) {
+  return make_float4(__uint_as_float(v.x << 16), __uint_as_float(v.x & 0xffff0000u), __uint_as_float(v.y << 16),
+                     __uint_as_float(v.y & 0xffff0000u));
+}
+__device__ __forceinline__ float4 load_state_bf16(const __nv_bfloat16* p, bool streamed) {
+  uint2 v;
+  if (streamed) {
+    asm volatile("ld.global.L1::no_allocate.L2::256B.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+  } else {
+    v = *reinterpret_cast<const uint2*>(p);
+  }
+  return widen_bf16x4(v);
+}
+__device__ __forceinline__ void store_state_bf16(__nv_bfloat16* p, float a, float b, float c, float d) {
+  __nv_bfloat162 lo = __floats2bfloat162_rn(a, b), hi = __floats2bfloat162_rn(c, d);
+  __stcg(reinterpret_cast<uint2*>(p),
+         make_uint2(*reinterpret_cast<const uint32_t*>(&lo), *reinterpret_cast<const uint32_t*>(&hi)));
 }
 
 // d += A (16x8, tf32) . B (8x8, tf32), fp32 accumulate.
@@ -116,7 +137,10 @@ __host__ __device__ inline TcSmem tc_smem(int R, int N, int P, int PR, int CS, i
 // waits for one memory round trip: the per-thread item counts below are compile-time, so
 // the loads sit in registers rather than in a load-store chain.
 // kStreamed: the state rows come in by load_state_streamed, else by plain loads.
-template <int R, int RT, int CS, bool kFused, bool kStreamed, int CL = 1>
+// kBf16State: the ssm state is stored in bf16 (MimoStateLayout::ssm_bf16): each piece is
+// widened on load, the update and y run on the fp32 values, and the new state is rounded
+// to bf16 only as it is stored.
+template <int R, int RT, int CS, bool kFused, bool kStreamed, bool kBf16State, int CL = 1>
 __device__ __forceinline__ void mimo_step_tc_body(const TcParams& prm) {
   static_assert(!kFused || RT == 1, "the fused out_proj takes 16-row blocks");
   constexpr int kT = 32 * RT * CS;
@@ -158,12 +182,16 @@ __device__ __forceinline__ void mimo_step_tc_body(const TcParams& prm) {
 
   float4 sv[NG][2];  // rows p0 + g and p0 + g + 8, columns 16m + 4t .. + 3
   const float* row_g = ssm + (int64_t)(p0 + g) * N + 4 * t;
+  const __nv_bfloat16* row_gb = reinterpret_cast<const __nv_bfloat16*>(ssm) + (int64_t)(p0 + g) * N + 4 * t;
   float xp0 = 0.f, xp1 = 0.f, mxa0 = 0.f, mxa1 = 0.f;  // the A fragment's inputs (rank t)
   if (updater) {
 #pragma unroll
     for (int mi = 0; mi < NG; ++mi) {
       if (mi < ng) {
-        if constexpr (kStreamed) {
+        if constexpr (kBf16State) {
+          sv[mi][0] = load_state_bf16(row_gb + 16 * (m0 + mi), kStreamed);
+          sv[mi][1] = load_state_bf16(row_gb + 8 * N + 16 * (m0 + mi), kStreamed);
+        } else if constexpr (kStreamed) {
           sv[mi][0] = load_state_streamed(row_g + 16 * (m0 + mi));
           sv[mi][1] = load_state_streamed(row_g + 8 * N + 16 * (m0 + mi));
         } else {
@@ -361,6 +389,8 @@ __device__ __forceinline__ void mimo_step_tc_body(const TcParams& prm) {
     float yacc[4] = {0.f, 0.f, 0.f, 0.f};
     float* out_g = ssm + (int64_t)(p0 + g) * N + 4 * t;
     float* out_g8 = out_g + 8 * N;
+    __nv_bfloat16* out_gb = reinterpret_cast<__nv_bfloat16*>(ssm) + (int64_t)(p0 + g) * N + 4 * t;
+    __nv_bfloat16* out_gb8 = out_gb + 8 * N;
 #pragma unroll
     for (int mi = 0; mi < NG; ++mi) {
       if (mi < ng) {
@@ -374,8 +404,13 @@ __device__ __forceinline__ void mimo_step_tc_body(const TcParams& prm) {
         mma_tf32(cb, fa0, fa1, fa2, fa3, __float_as_uint(kv.z), __float_as_uint(kv.w));
         // Explicit 16-byte stores: written as plain assignments they came out as four
         // 4-byte stores (4x the L2 sectors, measured).
-        __stcg(reinterpret_cast<float4*>(out_g + 16 * m), make_float4(ca[0], ca[1], cb[0], cb[1]));
-        __stcg(reinterpret_cast<float4*>(out_g8 + 16 * m), make_float4(ca[2], ca[3], cb[2], cb[3]));
+        if constexpr (kBf16State) {
+          store_state_bf16(out_gb + 16 * m, ca[0], ca[1], cb[0], cb[1]);
+          store_state_bf16(out_gb8 + 16 * m, ca[2], ca[3], cb[2], cb[3]);
+        } else {
+          __stcg(reinterpret_cast<float4*>(out_g + 16 * m), make_float4(ca[0], ca[1], cb[0], cb[1]));
+          __stcg(reinterpret_cast<float4*>(out_g8 + 16 * m), make_float4(ca[2], ca[3], cb[2], cb[3]));
+        }
         mma_tf32(yacc, __float_as_uint(ca[0]), __float_as_uint(ca[2]), __float_as_uint(ca[1]),
                  __float_as_uint(ca[3]), __float_as_uint(qv.x), __float_as_uint(qv.y));
         mma_tf32(yacc, __float_as_uint(cb[0]), __float_as_uint(cb[2]), __float_as_uint(cb[1]),
@@ -508,15 +543,15 @@ __device__ __forceinline__ void mimo_step_tc_body(const TcParams& prm) {
   }
 }
 
-template <int R, int CS, bool kStreamed>
+template <int R, int CS, bool kStreamed, bool kBf16State>
 __global__ void __launch_bounds__(128 * CS, CS == 1 ? 4 : (CS == 2 ? 3 : 1)) mimo_step_tc_kernel(const TcParams prm) {
-  mimo_step_tc_body<R, 4, CS, false, kStreamed>(prm);
+  mimo_step_tc_body<R, 4, CS, false, kStreamed, kBf16State>(prm);
 }
 
 // (Only ever at batch 1 and 2, in one chain: streamed state loads.)
-template <int R, int CL>
+template <int R, int CL, bool kBf16State>
 __global__ void __cluster_dims__(CL, 1, 1) __launch_bounds__(256, 2) mimo_step_tc_fused_kernel(const TcParams prm) {
-  mimo_step_tc_body<R, 1, 8, true, true, CL>(prm);
+  mimo_step_tc_body<R, 1, 8, true, true, kBf16State, CL>(prm);
 }
 
 // Where the recurrence lets out_proj launch (PdlTrigger's 0-2, or 3 / 4: after its first /
@@ -540,7 +575,7 @@ bool state_load_streamed(const MimoStepArgs& a, StateLoad policy) {
 }
 
 TcParams tc_params(const MimoStepArgs& a, int p_blocks, const MimoStepPolicy& policy) {
-  return TcParams{a, mimo_state_layout(a.heads, a.headdim, a.d_state, a.rank, a.n_angles),
+  return TcParams{a, mimo_state_layout(a.heads, a.headdim, a.d_state, a.rank, a.n_angles, a.state_bf16),
                   recurrence_trigger_point(a.batch, a.beside_other_chains, policy.trigger), p_blocks};
 }
 
@@ -548,12 +583,14 @@ template <int R, int CS>
 KernelLaunch plan_cs(const MimoStepArgs& a, const MimoStepPolicy& policy) {
   const TcSmem s = tc_smem(R, a.d_state, a.headdim, a.headdim, CS, 0);
   const bool streamed = state_load_streamed(a, policy.state_load);
-  auto* kernel = streamed ? mimo_step_tc_kernel<R, CS, true> : mimo_step_tc_kernel<R, CS, false>;
+  auto* kernel = a.state_bf16 ? (streamed ? mimo_step_tc_kernel<R, CS, true, true> : mimo_step_tc_kernel<R, CS, false, true>)
+                              : (streamed ? mimo_step_tc_kernel<R, CS, true, false> : mimo_step_tc_kernel<R, CS, false, false>);
   const TcParams params = tc_params(a, 1, policy);
   return KernelLaunch::make("mimo_step_tc", kernel, dim3(a.heads, a.batch), dim3(128 * CS), sizeof(float) * s.total,
                             params)
       .described("tensor cores, " + std::to_string(CS) + (CS == 1 ? " warp" : " warps") + " a row tile, " +
-                 (streamed ? "streamed" : "plain") + " state loads, trigger " + std::to_string(params.trigger_point));
+                 (streamed ? "streamed" : "plain") + (a.state_bf16 ? " bf16" : "") + " state loads, trigger " +
+                 std::to_string(params.trigger_point));
 }
 
 bool mimo_step_tc_shape_applies(const MimoStepArgs& a) {
@@ -598,10 +635,12 @@ KernelLaunch plan_fused(const MimoStepArgs& a, const MimoStepPolicy& policy) {
   const TcSmem s = tc_smem(R, a.d_state, a.headdim, 16, 8, a.d_model);
   const int cluster = fused_cluster(a, p_blocks);
   const TcParams params = tc_params(a, p_blocks, policy);
-  return KernelLaunch::make("mimo_step_tc",
-                            cluster == 8 ? mimo_step_tc_fused_kernel<R, 8> : mimo_step_tc_fused_kernel<R, 4>,
+  auto* kernel = a.state_bf16 ? (cluster == 8 ? mimo_step_tc_fused_kernel<R, 8, true> : mimo_step_tc_fused_kernel<R, 4, true>)
+                              : (cluster == 8 ? mimo_step_tc_fused_kernel<R, 8, false> : mimo_step_tc_fused_kernel<R, 4, false>);
+  return KernelLaunch::make("mimo_step_tc", kernel,
                             dim3(a.heads * p_blocks, a.batch), dim3(256), sizeof(float) * s.total, params)
-      .described("tensor cores, out_proj fused, clusters of " + std::to_string(cluster) + ", trigger " +
+      .described("tensor cores, out_proj fused, clusters of " + std::to_string(cluster) +
+                 (a.state_bf16 ? ", bf16 state" : "") + ", trigger " +
                  std::to_string(params.trigger_point));
 }
 

@@ -365,8 +365,18 @@ __global__ void __launch_bounds__(kStateThreads) prefill_state_pass_kernel(const
   const int slot = a.runs.slot[run], parity = a.runs.parity[run] & 1;
   const int t0 = a.runs.token_begin[run];
   float* st = a.state + slot * a.slot_stride + a.layer_offset;
-  float* ssm = st + prm.layout.ssm + ((int64_t)h * P + p) * N + n;
-  float4 s = *reinterpret_cast<const float4*>(ssm);
+  // The ssm rows in fp32, or in bf16 (state_dtype bf16: widened here, rounded at the store).
+  const int64_t e_at = ((int64_t)h * P + p) * N + n;
+  float* ssm = st + prm.layout.ssm + e_at;
+  __nv_bfloat16* ssm_bf16 = reinterpret_cast<__nv_bfloat16*>(st + prm.layout.ssm) + e_at;
+  float4 s;
+  if (prm.layout.ssm_bf16) {
+    const uint2 v = *reinterpret_cast<const uint2*>(ssm_bf16);
+    s = make_float4(__uint_as_float(v.x << 16), __uint_as_float(v.x & 0xffff0000u), __uint_as_float(v.y << 16),
+                    __uint_as_float(v.y & 0xffff0000u));
+  } else {
+    s = *reinterpret_cast<const float4*>(ssm);
+  }
   // The slot's previous token enters at the run's first step with weight (1-trap)*dt there.
   const float nb = a.ws.tok_bterm[(int64_t)t0 * H + h];
   const float xp = st[prm.layout.x_prev + h * P + p];
@@ -409,7 +419,11 @@ __global__ void __launch_bounds__(kStateThreads) prefill_state_pass_kernel(const
       }
     }
   }
-  *reinterpret_cast<float4*>(ssm) = s;
+  if (prm.layout.ssm_bf16) {
+    store4(ssm_bf16, s);
+  } else {
+    *reinterpret_cast<float4*>(ssm) = s;
+  }
 }
 
 // ---- 5. chunk output ----------------------------------------------------------------------
@@ -710,7 +724,7 @@ void launch_prefill_scan(const PrefillScanArgs& a, cudaStream_t stream) {
                                 ") and layer_offset (" + std::to_string(a.layer_offset) +
                                 ") must keep each layer's state 16-byte aligned (floats a multiple of 4)");
   }
-  const ScanParams prm{a, mimo_state_layout(d.heads, d.headdim, d.d_state, d.rank, d.n_angles)};
+  const ScanParams prm{a, mimo_state_layout(d.heads, d.headdim, d.d_state, d.rank, d.n_angles, a.state_bf16)};
   prefill_token_params_kernel<<<a.runs.n_tokens, kParamThreads, 0, stream>>>(prm);
   M3_CUDA_CHECK(cudaGetLastError());
   if (d.n_angles > 0) {

@@ -144,8 +144,10 @@ struct PrefillScanArgs {
   const float* mimo_o = nullptr;    // [H, R, P]
   const float* out_norm = nullptr;  // [H*P] or nullptr (is_outproj_norm off)
   // State: slot s, this layer at state + s * slot_stride + layer_offset (MimoStateLayout);
-  // state 16-byte aligned, slot_stride and layer_offset multiples of 4 (launch checks).
+  // state 16-byte aligned, slot_stride and layer_offset multiples of 4 (launch checks);
+  // state_bf16: its ssm part is bf16 (MimoStateLayout::ssm_bf16).
   float* state = nullptr;
+  bool state_bf16 = false;
   int64_t slot_stride = 0;
   int64_t layer_offset = 0;
   PrefillRuns runs;

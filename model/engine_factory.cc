@@ -79,22 +79,6 @@ MaxBatchChoice choose_auto_max_batch(std::string_view backend, const ModelConfig
   return cpu_auto_max_batch(cores);
 }
 
-#if defined(M3_WITH_CUDA)
-namespace {
-
-std::unique_ptr<Engine> make_cuda_engine_checked(const ModelWeights& weights, const EngineOptions& options) {
-  // (Its kernels read and write fp32 state only so far.)
-  if (options.state_dtype != StateDType::F32) {
-    throw std::runtime_error("state_dtype " + std::string(state_dtype_name(options.state_dtype)) +
-                             " is not implemented on the cuda backend yet (use state_dtype fp32, "
-                             "or backend cpu)");
-  }
-  return make_cuda_engine(weights, options);
-}
-
-}  // namespace
-#endif
-
 namespace {
 
 std::unique_ptr<Engine> make_backend(std::string_view backend, const ModelWeights& weights,
@@ -102,7 +86,7 @@ std::unique_ptr<Engine> make_backend(std::string_view backend, const ModelWeight
   if (backend == "cpu") return make_cpu_engine(weights, options);
   if (backend == "cuda" || backend == "auto") {
 #if defined(M3_WITH_CUDA)
-    if (cuda_device_count() > 0) return make_cuda_engine_checked(weights, options);
+    if (cuda_device_count() > 0) return make_cuda_engine(weights, options);
     if (backend == "cuda") {
       throw std::runtime_error("make_engine: backend \"cuda\" requested but no CUDA device is visible");
     }

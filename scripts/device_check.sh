@@ -14,6 +14,7 @@
 #   prefill_trace  each kernel's time in a chunked prefill (CUPTI), 2048 tokens at batch 1, 8
 #   prefill_ncu    Nsight Compute on one launch of each chunked-prefill kernel
 #   bench    m3bench decode at batch 1-64 (per kernel) and 64-4096
+#   state_bf16  the same with bf16 state, and m3drift: bf16 against fp32 state over 2,000 tokens
 #   trace    each kernel's place in the decode graph (CUPTI) at batch 1, 16 and 64
 #   serve    scripts/device_serve_check.sh run with 2048-token prompts, once a line of
 #            SERVE_FLAG_SETS (m3serve flags; default: the defaults, then each prefill path)
@@ -33,7 +34,7 @@ GTESTS="tests/kernels/m3_kernel_tests tests/kernels/m3_cuda_engine_tests
 tests/kernels/m3_cuda_no_allocation_test tests/kernels/m3_cuda_capacity_tests
 tests/kernels/m3_slot_state_copy_test tests/kernels/m3_cuda_slot_state_test
 tests/engine/m3_engine_gpu_prefill_tests"
-TOOLS="model/m3check model/m3make server/m3bench server/m3serve server/m3cli"
+TOOLS="model/m3check model/m3make model/m3drift server/m3bench server/m3serve server/m3cli"
 
 pack() {
   local build=${1:-$ROOT/build} stage
@@ -206,6 +207,23 @@ run_bench() {
   note "m3bench decode: see bench_bf16*.txt"
 }
 
+# bf16 state (state_dtype bf16): the decode step from batch 1 to 4096, and its drift from
+# fp32 state over 2,000 greedy tokens on a random s2s-14l (bf16 weights on both sides).
+run_state_bf16() {
+  timeout 300 "$DEV/bin/m3bench" decode --config $CONFIG --state-dtype bf16 --batch 1,2,4,8,16,32,64,128,256,512,1024,2048,4096 \
+      --iters 30 --json "$OUT/bench_bf16_state.json" 2>&1 | tee "$OUT/bench_bf16_state.txt" ||
+    fail "m3bench decode, bf16 state"
+  local model
+  model=$(mktemp -d)
+  if "$DEV/bin/m3make" --config $CONFIG --out "$model" --seed 1 --dtype bf16 >/dev/null 2>&1 &&
+      timeout 120 "$DEV/bin/m3drift" "$model" --backend cuda --tokens 2000 --sequences 4 2>&1 | tee "$OUT/drift_cuda.txt"; then
+    note "drift (cuda, bf16 state against fp32): $(tail -1 "$OUT/drift_cuda.txt")"
+  else
+    fail "m3drift --backend cuda"
+  fi
+  rm -rf "$model"
+}
+
 run_serve() {
   # device_serve_check.sh unpacks srv.tgz; here the bundle holds the same binaries.
   local flags tag
@@ -249,7 +267,7 @@ if [[ ${1:-} == pack ]]; then
   pack "$@"
   exit
 fi
-[[ $# -gt 0 ]] || { echo "usage: $0 pack [BUILD_DIR] | {tests|ab|prefill|prefill_trace|prefill_ncu|bench|trace|serve|realtime|swap|snapshot|prefix|variant_tests}..." >&2; exit 2; }
+[[ $# -gt 0 ]] || { echo "usage: $0 pack [BUILD_DIR] | {tests|ab|prefill|prefill_trace|prefill_ncu|bench|state_bf16|trace|serve|realtime|swap|snapshot|prefix|variant_tests}..." >&2; exit 2; }
 OUT=${OUT:-$ROOT/device-out}
 export OUT
 mkdir -p "$OUT"
@@ -267,6 +285,7 @@ for mode in "$@"; do
     prefill_trace) run_prefill_trace ;;
     prefill_ncu) run_prefill_ncu ;;
     bench) run_bench ;;
+    state_bf16) run_state_bf16 ;;
     trace) run_trace ;;
     serve) run_serve ;;
     realtime) run_realtime ;;

@@ -52,7 +52,7 @@ const std::vector<Setting>& settings() {
        true},
       {"state_dtype", &ServerConfig::state_dtype,
        "fp32 | bf16: the recurrent state stored in bf16 (updated in fp32) halves its bytes; "
-       "cpu backend only so far"},
+       "on cuda it needs weight_dtype bf16"},
       {"queue_capacity", &ServerConfig::queue_capacity,
        "requests that may wait for a slot; beyond: RESOURCE_EXHAUSTED"},
       {"pipelined_steps", &ServerConfig::pipelined_steps,

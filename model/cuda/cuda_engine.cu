@@ -57,6 +57,34 @@ void check_config_supported(const ModelConfig& c) {
   }
 }
 
+// state_dtype bf16: only the tensor-core recurrence stores bf16 state, so every batch must
+// take it (bf16 weights, a head shape it runs, tensor cores from batch 1).
+void check_bf16_state_supported(const ModelConfig& c, const EngineOptions& options, const CudaPolicy& policy) {
+  auto refuse = [](const std::string& why) {
+    throw std::invalid_argument("cuda engine: state_dtype bf16 " + why + " (state_dtype fp32 can)");
+  };
+  if (options.weight_dtype != WeightDType::BF16) {
+    refuse("needs weight_dtype bf16: the recurrence that stores bf16 state runs on tensor cores, for bf16 weights");
+  }
+  if (policy.recurrence_tensor_core_min_batch != 1) {
+    refuse("needs cuda.recurrence_tensor_core_min_batch 1 (got " +
+           std::to_string(policy.recurrence_tensor_core_min_batch) +
+           "): the CUDA-core recurrence stores fp32 state only");
+  }
+  kernels::MimoStepArgs shape;
+  shape.heads = c.n_heads();
+  shape.headdim = c.ssm.headdim;
+  shape.d_state = c.ssm.d_state;
+  shape.rank = c.ssm.mimo_rank;
+  shape.n_angles = c.n_angles();
+  if (!kernels::mimo_step_tc_applies(shape)) {
+    refuse("needs a head shape the tensor-core recurrence runs: mimo_rank 1, 2 or 4 (got " +
+           std::to_string(c.ssm.mimo_rank) + "), headdim a multiple of 16 up to 64 (got " +
+           std::to_string(c.ssm.headdim) + "), d_state a multiple of 16 up to 128 (got " +
+           std::to_string(c.ssm.d_state) + ")");
+  }
+}
+
 }  // namespace
 
 CudaEngine::CudaEngine(const ModelWeights& weights, const EngineOptions& options)
@@ -80,6 +108,8 @@ CudaEngine::CudaEngine(const ModelWeights& weights, const EngineOptions& options
   }
   M3_CUDA_CHECK(cudaSetDevice(device_));
   check_config_supported(config_);
+  const bool bf16_state = options.state_dtype == StateDType::BF16;
+  if (bf16_state) check_bf16_state_supported(config_, options, policy_);
   // Refused before anything is uploaded, in the config's terms, when chunked was asked for.
   const std::string chunked_refusal = PrefillRunner::refusal(config_, options.weight_dtype);
   if (policy_.prefill == PrefillPath::Chunked && !chunked_refusal.empty()) {
@@ -95,8 +125,8 @@ CudaEngine::CudaEngine(const ModelWeights& weights, const EngineOptions& options
 
   const ModelConfig& c = config_;
   weights_ = upload_weights(weights, options.weight_dtype);
-  layout_ = kernels::mimo_state_layout(c.n_heads(), c.ssm.headdim, c.ssm.d_state,
-                                       c.ssm.mimo_rank, c.n_angles());
+  layout_ = kernels::mimo_state_layout(c.n_heads(), c.ssm.headdim, c.ssm.d_state, c.ssm.mimo_rank, c.n_angles(),
+                                       bf16_state);
   slot_state_floats_ = layout_.floats * c.n_layer;
 
   for (int b = 1; b < max_slots_; b *= 2) bucket_sizes_.push_back(b);

@@ -85,8 +85,11 @@ std::vector<CudaProfiling::KernelTime> CudaEngine::time_kernels(int batch, int r
 double CudaEngine::floor_bytes(int batch) const {
   const ModelConfig& c = config_;
   const double msize = weights_.type == WeightDType::BF16 ? 2.0 : 4.0;
-  const double state = 2.0 * sizeof(float) * static_cast<double>(c.state_floats_per_layer()) *
-                       c.n_layer * batch;
+  // Read and written once a step; a bf16 ssm part is half the bytes of an fp32 one.
+  const double ssm_values = static_cast<double>(c.n_heads()) * c.ssm.headdim * c.ssm.d_state;
+  const double layer_bytes =
+      sizeof(float) * static_cast<double>(c.state_floats_per_layer()) - (layout_.ssm_bf16 ? 2.0 * ssm_values : 0.0);
+  const double state = 2.0 * layer_bytes * c.n_layer * batch;
   const double embedding = msize * c.d_model * batch;
   const double logits = 4.0 * c.padded_vocab() * batch;
   return static_cast<double>(weights_.matrix_bytes + weights_.vector_bytes) + state + embedding + logits;

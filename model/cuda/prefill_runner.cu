@@ -218,6 +218,7 @@ void PrefillRunner::run(std::span<const PrefillRun> runs, std::span<const int32_
     a.B_norm = lw.B_norm; a.C_norm = lw.C_norm;
     a.mimo_x = lw.mimo_x; a.mimo_z = lw.mimo_z; a.mimo_o = lw.mimo_o; a.out_norm = lw.out_norm;
     a.layer_offset = layout_.floats * i;
+    a.state_bf16 = layout_.ssm_bf16;
     kernels::launch_prefill_scan(a, stream);
     out_proj_->run(lw.out_proj, rows_.o, rows_.res, tokens, stream);
     if (c.has_mlp()) {

@@ -139,6 +139,7 @@ void StepPlanner::plan_mixer(int layer, const Chain& chain, const kernels::GemvG
   m.state = buffers_.state;
   m.slot_stride = buffers_.slot_state_floats;
   m.layer_offset = layout_.floats * layer;
+  m.state_bf16 = layout_.ssm_bf16;
   m.slots = chain.slots;
   m.parities = chain.parities;
   m.o = chain.mixer_out;

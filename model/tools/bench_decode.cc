@@ -32,11 +32,12 @@ namespace m3 {
 namespace {
 
 std::string usage() {
-  return "usage: m3bench decode --config FILE [--batch 1,4,16,64] [--dtype bf16|fp32]\n"
+  return "usage: m3bench decode --config FILE [--batch 1,4,16,64] [--dtype bf16|fp32] [--state-dtype fp32|bf16]\n"
          "                      [--iters 300] [--json OUT] [--seed 1] [--per-kernel] [--plan]\n"
          "                      [--slot-copies]\n"
          "                      [--cuda-... VALUE ...]\n"
          "  --batch: batch sizes in [1, 4096], comma-separated; --iters: 10 to 1000000\n"
+         "  --state-dtype: the recurrent state's storage (state_dtype; bf16 needs --dtype bf16)\n"
          "  --per-kernel: also time every kernel of the step alone (sum by kernel name)\n"
          "  --plan: also print each batch's step as planned (kernels and the planners' choices)\n"
          "  --slot-copies: also the pipelined step with one slot outside the batch saved and\n"
@@ -54,6 +55,7 @@ struct Options {
   std::string config;
   std::vector<int> batches = {1, 4, 16, 64};
   std::string dtype = "bf16";
+  StateDType state_dtype = StateDType::F32;
   int iters = 300;
   std::string json;
   uint64_t seed = 1;
@@ -98,6 +100,10 @@ Options parse(int argc, char** argv) {
     if (a == "--config") o.config = value();
     else if (a == "--batch") o.batches = parse_batches(value());
     else if (a == "--dtype") o.dtype = value();
+    else if (a == "--state-dtype") {
+      const std::string d = value();
+      if (!parse_state_dtype(d, &o.state_dtype)) throw std::invalid_argument("--state-dtype must be fp32 or bf16, got \"" + d + "\"");
+    }
     else if (a == "--iters") o.iters = parse_integer<int>("--iters", value(), 10, kMaxIters);
     else if (a == "--json") o.json = value();
     else if (a == "--seed") o.seed = parse_integer<uint64_t>("--seed", value(), 0, UINT64_MAX);
@@ -194,6 +200,7 @@ int run(const Options& o) {
   EngineOptions eo;
   eo.max_slots = max_batch + (o.slot_copies ? 1 : 0);  // the copied slot is outside every batch
   eo.weight_dtype = o.dtype == "bf16" ? WeightDType::BF16 : WeightDType::F32;
+  eo.state_dtype = o.state_dtype;
   eo.use_graphs = true;
   eo.cuda = o.policy;
   auto engine = make_cuda_engine(weights, eo);
@@ -266,8 +273,9 @@ int run(const Options& o) {
     rows.push_back(r);
   }
 
-  std::printf("m3bench decode: %s, %s weights, %s, copy bandwidth %.0f GB/s, pdl %s\n", o.config.c_str(),
-              o.dtype.c_str(), prop.name, bw, profile.policy().pdl ? "on" : "off");
+  std::printf("m3bench decode: %s, %s weights, %s state, %s, copy bandwidth %.0f GB/s, pdl %s\n", o.config.c_str(),
+              o.dtype.c_str(), std::string(state_dtype_name(o.state_dtype)).c_str(), prop.name, bw,
+              profile.policy().pdl ? "on" : "off");
   std::printf("cuda policy: %s\n", to_string(profile.policy()).c_str());
   std::printf("%6s %6s %8s %11s %11s %9s %7s %12s %8s %13s %14s\n", "batch", "bucket", "kernels",
               "us/step", "tokens/s", "floor us", "ratio", "no-graph us", "speedup", "step() wall us",
@@ -312,6 +320,7 @@ int run(const Options& o) {
     nlohmann::json j;
     j["config"] = o.config;
     j["dtype"] = o.dtype;
+    j["state_dtype"] = state_dtype_name(o.state_dtype);
     j["device"] = prop.name;
     j["copy_bandwidth_gbps"] = bw;
     j["pdl"] = profile.policy().pdl;

@@ -1,7 +1,8 @@
-// m3drift MODEL_DIR [--tokens 2000] [--sequences 2] [--threads 0] [--json]
+// m3drift MODEL_DIR [--tokens 2000] [--sequences 2] [--threads 0] [--backend cpu|cuda] [--json]
 //
 // How far bf16 state (the ssm state stored in bf16, updated in fp32) drifts from fp32
-// state over a long generation, on the CPU engine: two engines decode the same sequences
+// state over a long generation, on the CPU engine (fp32 arithmetic) or the CUDA engine
+// (bf16 weights on both sides, so only the state differs): two engines decode the same sequences
 // (a short prompt, then the fp32 engine's greedy tokens fed to both, so they stay on one
 // path); each step's logit error is max|l_bf16 - l_fp32| / max|l_fp32| over the
 // sequences. The first step where the two greedy picks differ is where a bf16-state greedy
@@ -24,9 +25,10 @@
 namespace {
 
 constexpr const char* kUsage =
-    "usage: m3drift MODEL_DIR [--tokens N] [--sequences B] [--threads T] [--json]\n"
+    "usage: m3drift MODEL_DIR [--tokens N] [--sequences B] [--threads T] [--backend cpu|cuda] [--json]\n"
     "  Decodes B sequences for N generated tokens (default 2000, 2) with fp32 and with bf16\n"
-    "  state on the CPU engine and reports the logit error and the first greedy divergence.\n";
+    "  state on the CPU engine (or the CUDA engine, bf16 weights) and reports the logit error\n"
+    "  and the first greedy divergence.\n";
 
 constexpr int kPromptTokens = 8;
 
@@ -48,6 +50,7 @@ int main(int argc, char** argv) {
   std::string model_dir;
   int tokens = 2000, sequences = 2, threads = 0;
   bool json_out = false;
+  std::string backend = "cpu";
   try {
     for (int i = 1; i < argc; ++i) {
       const std::string arg = argv[i];
@@ -64,6 +67,9 @@ int main(int argc, char** argv) {
         sequences = parse_int(arg, value(), 1, 256);
       } else if (arg == "--threads") {
         threads = parse_int(arg, value(), 0, 1024);
+      } else if (arg == "--backend") {
+        backend = value();
+        if (backend != "cpu" && backend != "cuda") throw std::invalid_argument("--backend must be cpu or cuda");
       } else if (arg == "--json") {
         json_out = true;
       } else if (arg.size() > 1 && arg[0] == '-') {
@@ -87,9 +93,10 @@ int main(int argc, char** argv) {
     m3::EngineOptions o;
     o.max_slots = sequences;
     o.cpu_threads = threads;
-    fp32 = m3::make_engine("cpu", *weights, o);
+    o.weight_dtype = m3::WeightDType::BF16;  // (CUDA: bf16 state needs it; the CPU engine computes in fp32)
+    fp32 = m3::make_engine(backend, *weights, o);
     o.state_dtype = m3::StateDType::BF16;
-    bf16 = m3::make_engine("cpu", *weights, o);
+    bf16 = m3::make_engine(backend, *weights, o);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "m3drift: %s\n", e.what());
     return 3;
@@ -133,7 +140,7 @@ int main(int argc, char** argv) {
 
   nlohmann::json j;
   j["model"] = model_dir;
-  j["backend"] = "cpu";
+  j["backend"] = backend;
   j["layers"] = c.n_layer;
   j["d_model"] = c.d_model;
   j["sequences"] = B;
@@ -152,8 +159,8 @@ int main(int argc, char** argv) {
     std::printf("%s\n", j.dump(2).c_str());
     return 0;
   }
-  std::printf("bf16 state against fp32 state, cpu engine, %s: %d sequences x %d generated tokens\n",
-              model_dir.c_str(), B, tokens);
+  std::printf("bf16 state against fp32 state, %s engine, %s: %d sequences x %d generated tokens\n",
+              backend.c_str(), model_dir.c_str(), B, tokens);
   for (const auto& [k, v] : j["rel_err_at_token"].items())
     std::printf("  token %6s: rel logit err %.3e\n", k.c_str(), v.get<double>());
   std::printf("  max %.3e, mean %.3e; greedy picks differ at %d of %d steps; first divergence:",
