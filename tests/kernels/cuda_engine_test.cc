@@ -249,6 +249,35 @@ TEST_F(CudaEngineTest, SplitBucketsMatchCpuEngine) {
   }
 }
 
+// Above batch 64 the buckets step by an eighth of the octave (model/decode_buckets.h): 70
+// sequences of a 100-slot engine run at the 72 bucket, two chains, as the CPU engine does.
+TEST_F(CudaEngineTest, FineBucketsAbove64MatchCpuEngine) {
+  M3_REQUIRE_CUDA_DEVICE();
+  load(testing::small_config());
+  constexpr int kSlots = 100;
+  auto gpu = cuda(kSlots);
+  auto ref = cpu(kSlots);
+  auto* impl = cuda::cuda_profiling(*gpu);
+  ASSERT_NE(impl, nullptr);
+  EXPECT_EQ(impl->bucket_sizes(), (std::vector<int>{1, 2, 4, 8, 16, 32, 64, 72, 80, 88, 96, 100}));
+  constexpr int n = 70;
+  ASSERT_EQ(impl->bucket_for(n), 72);
+  std::vector<int32_t> slots(n);
+  for (int i = 0; i < n; ++i) slots[i] = (i * 3) % kSlots;
+  std::vector<int32_t> g_ids(n), c_ids(n);
+  std::vector<float> g_logits(static_cast<size_t>(n) * V()), c_logits(g_logits.size());
+  for (int t = 0; t < 6; ++t) {
+    std::vector<int32_t> tokens(n, kContinueToken);
+    if (t == 0) {
+      for (int i = 0; i < n; ++i) tokens[i] = (i * 11 + 3) % 200;
+    }
+    gpu->step(slots, tokens, g_ids, g_logits);
+    ref->step(slots, tokens, c_ids, c_logits);
+    ASSERT_LT(rel_err(g_logits, c_logits), 1e-4) << "step " << t;
+    ASSERT_EQ(g_ids, c_ids) << "step " << t;
+  }
+}
+
 // The sequences of `slots` side by side (the prompt {5, 17, 100} plus each one's index,
 // then continue tokens; greedy, then sampled) in both engines; logits within `tol` of the
 // CPU engine's until the ids part (bf16 trajectories may). Returns every step's logits.
