@@ -144,7 +144,7 @@ Table make_table() {
              "where the recurrence lets the next kernel launch: planned (by batch) | at_end | after_wait | "
              "before_wait | after_inputs | after_norms");
   t.add_enum("recurrence.state_load", M3_ACCESS(kernels::StateLoad, recurrence.state_load), &kStateLoad,
-             "tensor-core recurrence's state loads: planned (streamed in one chain up to batch 16) | plain | streamed");
+             "tensor-core recurrence's state loads: planned (streamed in one chain up to batch 16, fp32 state) | plain | streamed");
   t.add_int("recurrence.tc_column_split", M3_ACCESS(int, recurrence.tc_column_split), "planned",
             "tensor-core recurrence: warps a 16-row tile: planned | 1 | 2 | 4");
   t.add_int("recurrence.small_batch_rows", M3_ACCESS(int, recurrence.small_batch_rows), nullptr,
