@@ -73,29 +73,35 @@ def plot_decode(paths, out):
 
 def plot_realtime(paths, out):
     fig, (held_ax, lag_ax) = plt.subplots(1, 2, figsize=(10, 4.2))
+    largest, slack = 0, None
     for path in paths:
         doc = load(path)
         rows = sorted(doc.get('results') or [], key=lambda r: r.get('streams', 0))
         if not rows or any('streams' not in r or 'streams_held' not in r for r in rows):
             sys.exit(f'plot_bench.py: {path}: no m3bench realtime results (results[].streams, streams_held)')
         n = [r['streams'] for r in rows]
+        largest = max(largest, max(n))
         label = f"{label_of(doc, path)} ({doc.get('mode', '?')}, {doc.get('rate_tokens_per_s', '?')} tokens/s)"
         held_ax.plot(n, [r['streams_held'] for r in rows], 'o-', label=label)
-        lag_ax.plot(n, [r['lag_p99_ms'] for r in rows], 'o-', label=label)
-        slack = doc.get('slack_ms')
-    held_ax.plot([0, max(n)], [0, max(n)], ':', color='gray', label='every stream held')
+        lag_ax.plot(n, [r['lag_p99_ms'] for r in rows], 'o-')
+        slack = doc.get('slack_ms', slack)
+    held_ax.plot([0, largest], [0, largest], ':', color='gray', label='every stream held')
     held_ax.set_xlabel('streams (N)')
     held_ax.set_ylabel('streams that stayed ahead of real time')
     held_ax.set_title('Streams held against N')
     lag_ax.set_xlabel('streams (N)')
     lag_ax.set_ylabel('p99 lag behind real time (ms)')
+    lag_ax.set_yscale('log')  # a few ms to seconds
     if slack is not None:
         lag_ax.axhline(slack, color='red', linestyle='--', label=f'slack {slack:g} ms')
+        lag_ax.legend(fontsize=8)
     lag_ax.set_title('Lag p99 against N')
     for ax in (held_ax, lag_ax):
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
+    # One legend for both panels, below them: inside, it covered the lines.
+    handles, labels = held_ax.get_legend_handles_labels()
+    fig.legend(handles, labels, loc='lower center', ncol=2, fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.06 + 0.045 * ((len(labels) + 1) // 2), 1, 1))
     fig.savefig(out, dpi=120)
 
 
