@@ -9,6 +9,13 @@
 
 namespace m3::kernels {
 
+// Four consecutive ssm entries stored in bf16 (MimoStateLayout::ssm_bf16), 8 bytes, widened
+// exactly to fp32.
+__device__ __forceinline__ float4 widen_bf16x4(uint2 v) {
+  return make_float4(__uint_as_float(v.x << 16), __uint_as_float(v.x & 0xffff0000u), __uint_as_float(v.y << 16),
+                     __uint_as_float(v.y & 0xffff0000u));
+}
+
 struct MimoHeadState {
   float* ssm;                // [P][N], fp32 or (layout.ssm_bf16) bf16
   float* x_prev;             // [P]

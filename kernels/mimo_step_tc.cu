@@ -62,11 +62,7 @@ __device__ __forceinline__ float4 load_state_streamed(const float* p) {
   return v;
 }
 
-// The same 16-byte piece's four entries held in bf16 (state_dtype bf16): 8 bytes, widened.
-__device__ __forceinline__ float4 widen_bf16x4(uint2 v) {
-  return make_float4(__uint_as_float(v.x << 16), __uint_as_float(v.x & 0xffff0000u), __uint_as_float(v.y << 16),
-                     __uint_as_float(v.y & 0xffff0000u));
-}
+// The same 16-byte piece's four entries held in bf16 (state_dtype bf16).
 __device__ __forceinline__ float4 load_state_bf16(const __nv_bfloat16* p, bool streamed) {
   uint2 v;
   if (streamed) {

@@ -5,7 +5,8 @@
 #include <stdexcept>
 #include <string>
 
-#include "kernels/mimo_step.cuh"  // MimoStateLayout
+#include "kernels/mimo_state.cuh"  // widen_bf16x4
+#include "kernels/mimo_step.cuh"   // MimoStateLayout
 #include "kernels/tile_mma.cuh"
 
 namespace m3::kernels {
@@ -368,9 +369,7 @@ __global__ void __launch_bounds__(kStateThreads) prefill_state_pass_kernel(const
   __nv_bfloat16* ssm_bf16 = reinterpret_cast<__nv_bfloat16*>(st + prm.layout.ssm) + e_at;
   float4 s;
   if (prm.layout.ssm_bf16) {
-    const uint2 v = *reinterpret_cast<const uint2*>(ssm_bf16);
-    s = make_float4(__uint_as_float(v.x << 16), __uint_as_float(v.x & 0xffff0000u), __uint_as_float(v.y << 16),
-                    __uint_as_float(v.y & 0xffff0000u));
+    s = widen_bf16x4(*reinterpret_cast<const uint2*>(ssm_bf16));
   } else {
     s = *reinterpret_cast<const float4*>(ssm);
   }
