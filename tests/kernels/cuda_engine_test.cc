@@ -119,6 +119,25 @@ double rel_err(const std::vector<float>& a, const std::vector<float>& ref) {
   return num / den;
 }
 
+// The sequences of `slots` side by side, row i fed first_token(i) and then five continue
+// tokens, in both engines: fp32 logits within 1e-4 of the CPU engine's, the same ids.
+template <typename FirstToken>
+void steps_match_cpu(Engine& gpu, Engine& cpu, const std::vector<int32_t>& slots, int V, FirstToken first_token) {
+  const int n = static_cast<int>(slots.size());
+  std::vector<int32_t> g_ids(n), c_ids(n);
+  std::vector<float> g_logits(static_cast<size_t>(n) * V), c_logits(g_logits.size());
+  for (int t = 0; t < 6; ++t) {
+    std::vector<int32_t> tokens(n, kContinueToken);
+    if (t == 0) {
+      for (int i = 0; i < n; ++i) tokens[i] = first_token(i);
+    }
+    gpu.step(slots, tokens, g_ids, g_logits);
+    cpu.step(slots, tokens, c_ids, c_logits);
+    ASSERT_LT(rel_err(g_logits, c_logits), 1e-4) << "step " << t;
+    ASSERT_EQ(g_ids, c_ids) << "step " << t;
+  }
+}
+
 // Three slots decode side by side (prompt, then continue tokens), greedy and sampled;
 // compares logits and ids with the CPU engine step by step. Where ids may differ (bf16)
 // and do, both engines are fed the CPU engine's ids from then on, so that all 24 steps'
@@ -235,18 +254,7 @@ TEST_F(CudaEngineTest, SplitBucketsMatchCpuEngine) {
       ref->set_sampling(slots[i], sp);
     }
   }
-  std::vector<int32_t> g_ids(n), c_ids(n);
-  std::vector<float> g_logits(static_cast<size_t>(n) * V()), c_logits(g_logits.size());
-  for (int t = 0; t < 6; ++t) {
-    std::vector<int32_t> tokens(n, kContinueToken);
-    if (t == 0) {
-      for (int i = 0; i < n; ++i) tokens[i] = (i * 13 + 1) % 200;
-    }
-    gpu->step(slots, tokens, g_ids, g_logits);
-    ref->step(slots, tokens, c_ids, c_logits);
-    ASSERT_LT(rel_err(g_logits, c_logits), 1e-4) << "step " << t;
-    ASSERT_EQ(g_ids, c_ids) << "step " << t;
-  }
+  steps_match_cpu(*gpu, *ref, slots, V(), [](int i) { return (i * 13 + 1) % 200; });
 }
 
 // Above batch 64 the buckets step by an eighth of the octave (model/decode_buckets.h): 70
@@ -264,18 +272,7 @@ TEST_F(CudaEngineTest, FineBucketsAbove64MatchCpuEngine) {
   ASSERT_EQ(impl->bucket_for(n), 72);
   std::vector<int32_t> slots(n);
   for (int i = 0; i < n; ++i) slots[i] = (i * 3) % kSlots;
-  std::vector<int32_t> g_ids(n), c_ids(n);
-  std::vector<float> g_logits(static_cast<size_t>(n) * V()), c_logits(g_logits.size());
-  for (int t = 0; t < 6; ++t) {
-    std::vector<int32_t> tokens(n, kContinueToken);
-    if (t == 0) {
-      for (int i = 0; i < n; ++i) tokens[i] = (i * 11 + 3) % 200;
-    }
-    gpu->step(slots, tokens, g_ids, g_logits);
-    ref->step(slots, tokens, c_ids, c_logits);
-    ASSERT_LT(rel_err(g_logits, c_logits), 1e-4) << "step " << t;
-    ASSERT_EQ(g_ids, c_ids) << "step " << t;
-  }
+  steps_match_cpu(*gpu, *ref, slots, V(), [](int i) { return (i * 11 + 3) % 200; });
 }
 
 // The sequences of `slots` side by side (the prompt {5, 17, 100} plus each one's index,
