@@ -185,5 +185,16 @@ TEST_F(CudaCapacityTest, Bf16StateWithFp32WeightsIsRefusedByName) {
             "on tensor cores, for bf16 weights (state_dtype fp32 can)");
 }
 
+TEST_F(CudaCapacityTest, Bf16StateWithTheCudaCoreRecurrenceAtSmallBatchesIsRefusedByName) {
+  M3_REQUIRE_CUDA_DEVICE();
+  EngineOptions o;
+  o.weight_dtype = WeightDType::BF16;
+  o.state_dtype = StateDType::BF16;
+  o.cuda.recurrence_tensor_core_min_batch = 2;
+  EXPECT_EQ(test::error_of<std::invalid_argument>([&] { make_engine("cuda", *weights_, o); }),
+            "cuda engine: state_dtype bf16 needs cuda.recurrence_tensor_core_min_batch 1 (got 2): the CUDA-core "
+            "recurrence stores fp32 state only (state_dtype fp32 can)");
+}
+
 }  // namespace
 }  // namespace m3

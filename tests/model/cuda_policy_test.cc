@@ -58,6 +58,8 @@ TEST(CudaPolicyTest, RefusesValuesNoPlannerTakesNamingTheField) {
             "cuda.recurrence.whole_head_min_batch must be at least 1, got 0");
   EXPECT_EQ(refusal([](CudaPolicy& p) { p.recurrence_fuse_max_batch = -1; }),
             "cuda.recurrence_fuse_max_batch must be 0 or more, got -1");
+  EXPECT_EQ(refusal([](CudaPolicy& p) { p.buckets_per_octave = 3; }),
+            "cuda.buckets_per_octave must be 1, 2, 4 or 8, got 3");
 }
 
 }  // namespace
