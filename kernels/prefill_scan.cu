@@ -7,18 +7,13 @@
 
 #include "kernels/mimo_state.cuh"  // widen_bf16x4
 #include "kernels/mimo_step.cuh"   // MimoStateLayout
+#include "kernels/prefill_chunk.cuh"
 #include "kernels/tile_mma.cuh"
 
 namespace m3::kernels {
 namespace {
 
-constexpr float kPi = 3.14159265358979323846f;
-constexpr int kMaxP = 64, kMaxN = 128;
-
-struct ScanParams {
-  PrefillScanArgs a;
-  MimoStateLayout layout;
-};
+using namespace prefill_detail;
 
 // Shared-memory plan of the chunk kernels for operand type Op, sized for the largest head
 // the kernels take (P 64, N 128), so the sizes are compile-time constants checked below.
@@ -50,75 +45,6 @@ struct ChunkSmem {
 };
 
 constexpr int kStateThreads = 256;
-
-// The run that chunk c belongs to (runs.chunk_begin is ascending).
-__device__ __forceinline__ int run_of_chunk(const PrefillRuns& runs, int c) {
-  int lo = 0, hi = runs.n_runs - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) / 2;
-    if (runs.chunk_begin[mid] <= c) lo = mid; else hi = mid - 1;
-  }
-  return lo;
-}
-
-// Where chunk c's tokens are: rows [first, first + len) of run `run`, which ends at run_end.
-struct ChunkPlace {
-  int run, first, len, run_end;
-};
-__device__ __forceinline__ ChunkPlace chunk_place(const PrefillScanArgs& a, int c, int chunk_tokens) {
-  ChunkPlace p;
-  p.run = run_of_chunk(a.runs, c);
-  p.first = a.runs.token_begin[p.run] + (c - a.runs.chunk_begin[p.run]) * chunk_tokens;
-  p.run_end = a.runs.token_begin[p.run + 1];
-  p.len = min(chunk_tokens, p.run_end - p.first);
-  return p;
-}
-
-// Warp 0: L[i] (running sum of a inside the chunk), gamma[i] and u[i] (gamma plus the next
-// token's (1-trap)*dt, none past the run's end) for the chunk's tokens.
-__device__ __forceinline__ void chunk_token_terms(const PrefillScanArgs& a, const ChunkPlace& cp, int h,
-                                                  float* L, float* gam, float* u) {
-  if (threadIdx.x >= 32) return;
-  const int lane = threadIdx.x, H = a.dims.heads;
-  float carry = 0.f;
-  for (int base = 0; base < cp.len; base += 32) {
-    const int i = base + lane;
-    const int t = cp.first + i;
-    float v = i < cp.len ? a.ws.tok_a[(int64_t)t * H + h] : 0.f;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const float n = __shfl_up_sync(0xffffffffu, v, o);
-      if (lane >= o) v += n;
-    }
-    if (i < cp.len) {
-      L[i] = carry + v;
-      const float g = a.ws.tok_gamma[(int64_t)t * H + h];
-      gam[i] = g;
-      u[i] = g + (t + 1 < cp.run_end ? a.ws.tok_bterm[(int64_t)(t + 1) * H + h] : 0.f);
-    }
-    carry += __shfl_sync(0xffffffffu, v, 31);
-  }
-}
-
-// Entries i0, i1 of row (t, r) of k (B, B_bias) or q (C, C_bias) after bias and rotation:
-// pair i of N/2 (halves (i, i+N/2) for MIMO, adjacent (2i, 2i+1) otherwise), rotated by
-// theta_t[i] (rot_t[i] = its cos and sin) when i < S.
-__device__ __forceinline__ void rotated_pair(const PrefillScanArgs& a, const float* normed, const float* bias,
-                                             const float2* rot_t, int i, float& v0, float& v1, int& i0, int& i1) {
-  const int N = a.dims.d_state, half = N / 2;
-  i0 = a.mimo_rotation ? i : 2 * i;
-  i1 = a.mimo_rotation ? i + half : 2 * i + 1;
-  const float x0 = normed[i0] + bias[i0], x1 = normed[i1] + bias[i1];
-  if (i < a.dims.n_angles) {
-    const float2 r = rot_t[i];
-    const float cs = r.x, sn = r.y;
-    v0 = x0 * cs - x1 * sn;
-    v1 = x0 * sn + x1 * cs;
-  } else {
-    v0 = x0;
-    v1 = x1;
-  }
-}
 
 // Rows j < rows (j = t * R + r) of the chunk's k (is_k) or q after bias and rotation,
 // entry n of row j written to dst[j * row_stride + n * col_stride], zeros for rows past m.
@@ -580,26 +506,7 @@ __global__ void __launch_bounds__(ChunkSmem<Op>::kThreadsOut, 2) prefill_chunk_o
       }
     }
   }
-  if (cp.first + cp.len == cp.run_end) {  // the run's last token becomes k_prev, x_prev
-    const int t0 = a.runs.token_begin[cp.run];
-    const int slot = a.runs.slot[cp.run];
-    const int parity_new = (a.runs.parity[cp.run] + (cp.run_end - t0)) & 1;
-    float* st = a.state + slot * a.slot_stride + a.layer_offset;
-    float* kp = st + prm.layout.k_prev + (int64_t)parity_new * H * R * N + (int64_t)h * R * N;
-    const int t = cp.run_end - 1, half = N / 2;
-    for (int idx = threadIdx.x; idx < R * half; idx += kThreads) {
-      const int r = idx / half, i = idx % half;
-      float v0, v1;
-      int i0, i1;
-      rotated_pair(a, a.ws.b_norm + ((int64_t)t * R + r) * N, a.B_bias + ((int64_t)h * R + r) * N,
-                   a.ws.rot + ((int64_t)t * H + h) * a.dims.n_angles, i, v0, v1, i0, i1);
-      kp[r * N + i0] = v0;
-      kp[r * N + i1] = v1;
-    }
-    for (int p = threadIdx.x; p < P; p += kThreads) {
-      st[prm.layout.x_prev + h * P + p] = a.w[(int64_t)t * a.w_stride + a.off_x + h * P + p];
-    }
-  }
+  if (cp.first + cp.len == cp.run_end) write_last_token_prev(prm, cp, h, kThreads);
 }
 
 template <typename Op>
@@ -629,11 +536,20 @@ void launch_chunks(const ScanParams& prm, cudaStream_t stream) {
   using Sm = ChunkSmem<Op>;
   const PrefillScanArgs& a = prm.a;
   const int H = a.dims.heads, P = a.dims.headdim, N = a.dims.d_state;
-  prefill_chunk_state_kernel<Op><<<dim3(a.runs.n_chunks, H), kStateThreads, Sm::kStateBytes, stream>>>(prm);
-  M3_CUDA_CHECK(cudaGetLastError());
+  const bool tc = sizeof(Op) == 2 && chunk_tc_applies(a);
+  if (tc) {
+    launch_chunk_state_tc(prm, stream);
+  } else {
+    prefill_chunk_state_kernel<Op><<<dim3(a.runs.n_chunks, H), kStateThreads, Sm::kStateBytes, stream>>>(prm);
+    M3_CUDA_CHECK(cudaGetLastError());
+  }
   const int tiles = (P * N / 4 + kStateThreads - 1) / kStateThreads;
   prefill_state_pass_kernel<Op><<<dim3(tiles, H, a.runs.n_runs), kStateThreads, 0, stream>>>(prm);
   M3_CUDA_CHECK(cudaGetLastError());
+  if (tc) {
+    launch_chunk_output_tc(prm, stream);
+    return;
+  }
   prefill_chunk_output_kernel<Op><<<dim3(a.runs.n_chunks, H), Sm::kThreadsOut, Sm::kOutBytes, stream>>>(prm);
   M3_CUDA_CHECK(cudaGetLastError());
 }
@@ -708,6 +624,7 @@ void prepare_prefill_scan(const PrefillScanDims& d) {
     set_smem_limits<float>();
   } else {
     set_smem_limits<__nv_bfloat16>();
+    prepare_chunk_tc();
   }
 }
 

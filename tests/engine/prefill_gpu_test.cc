@@ -31,6 +31,8 @@ struct GpuCase {
   bool outproj_norm;
   int d_intermediate;
   WeightDType dtype;
+  // The head's shape where it is not small_config's (0: small_config's).
+  int d_state = 0, headdim = 0, rank = 0;
 };
 
 void PrintTo(const GpuCase& c, std::ostream* os) { *os << c.name; }
@@ -51,6 +53,9 @@ class CudaPrefill : public ::testing::TestWithParam<std::tuple<GpuCase, PrefillP
     config.ssm.rope_fraction = feature().rope_fraction;
     config.ssm.is_outproj_norm = feature().outproj_norm;
     config.d_intermediate = feature().d_intermediate;
+    if (feature().d_state > 0) config.ssm.d_state = feature().d_state;
+    if (feature().headdim > 0) config.ssm.headdim = feature().headdim;
+    if (feature().rank > 0) config.ssm.mimo_rank = feature().rank;
     dir_ = std::make_unique<ScratchDir>(std::string("gpu_prefill_") + feature().name + "_" + path_name(path()));
     // bf16 cases store the weights in bf16, so that the fp32 CPU reference reads the very
     // weights the bf16 engine does and the comparison measures the engine alone.
@@ -132,7 +137,13 @@ INSTANTIATE_TEST_SUITE_P(
                                          GpuCase{"fp32_rope_full", 1.0, false, 0, WeightDType::F32},
                                          GpuCase{"fp32_outproj_norm", 0.5, true, 0, WeightDType::F32},
                                          GpuCase{"fp32_mlp", 0.5, false, 100, WeightDType::F32},
-                                         GpuCase{"bf16_all", 1.0, true, 200, WeightDType::BF16}),
+                                         GpuCase{"bf16_all", 1.0, true, 200, WeightDType::BF16},
+                                         // d_state a multiple of 32: the chunk output kernel on
+                                         // register fragments, at each of its tile counts.
+                                         GpuCase{"bf16_n128_r4_p64", 0.5, true, 0, WeightDType::BF16, 128, 64, 4},
+                                         GpuCase{"bf16_n96_r8_rope_full", 1.0, false, 0, WeightDType::BF16, 96, 32, 8},
+                                         GpuCase{"bf16_n64_r2_mlp", 0.5, false, 100, WeightDType::BF16, 64, 32, 2},
+                                         GpuCase{"bf16_n32_r1_p16", 0.5, true, 0, WeightDType::BF16, 32, 16, 1}),
                        ::testing::Values(PrefillPath::Steps, PrefillPath::Chunked)),
     [](const ::testing::TestParamInfo<std::tuple<GpuCase, PrefillPath>>& info) {
       return std::string(std::get<0>(info.param).name) + "_" + path_name(std::get<1>(info.param));

@@ -1,0 +1,129 @@
+// What the chunk kernels of the prefill scan share (kernels/prefill_scan.cu and
+// kernels/prefill_chunk_tc.cu): their parameters, where a chunk's tokens are, the
+// per-token decay terms of a chunk, and the rotated entries of k and q. Internal to the
+// prefill scan; the interface is kernels/prefill_scan.cuh.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kernels/common.cuh"
+#include "kernels/mimo_step.cuh"  // MimoStateLayout
+#include "kernels/prefill_scan.cuh"
+
+namespace m3::kernels::prefill_detail {
+
+inline constexpr float kPi = 3.14159265358979323846f;
+inline constexpr int kMaxP = 64, kMaxN = 128;
+
+struct ScanParams {
+  PrefillScanArgs a;
+  MimoStateLayout layout;
+};
+
+// The run that chunk c belongs to (runs.chunk_begin is ascending).
+__device__ __forceinline__ int run_of_chunk(const PrefillRuns& runs, int c) {
+  int lo = 0, hi = runs.n_runs - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (runs.chunk_begin[mid] <= c) lo = mid; else hi = mid - 1;
+  }
+  return lo;
+}
+
+// Where chunk c's tokens are: rows [first, first + len) of run `run`, which ends at run_end.
+struct ChunkPlace {
+  int run, first, len, run_end;
+};
+__device__ __forceinline__ ChunkPlace chunk_place(const PrefillScanArgs& a, int c, int chunk_tokens) {
+  ChunkPlace p;
+  p.run = run_of_chunk(a.runs, c);
+  p.first = a.runs.token_begin[p.run] + (c - a.runs.chunk_begin[p.run]) * chunk_tokens;
+  p.run_end = a.runs.token_begin[p.run + 1];
+  p.len = min(chunk_tokens, p.run_end - p.first);
+  return p;
+}
+
+// Warp 0: L[i] (running sum of a inside the chunk), gamma[i] and u[i] (gamma plus the next
+// token's (1-trap)*dt, none past the run's end) for the chunk's tokens.
+__device__ __forceinline__ void chunk_token_terms(const PrefillScanArgs& a, const ChunkPlace& cp, int h,
+                                                  float* L, float* gam, float* u) {
+  if (threadIdx.x >= 32) return;
+  const int lane = threadIdx.x, H = a.dims.heads;
+  float carry = 0.f;
+  for (int base = 0; base < cp.len; base += 32) {
+    const int i = base + lane;
+    const int t = cp.first + i;
+    float v = i < cp.len ? a.ws.tok_a[(int64_t)t * H + h] : 0.f;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const float n = __shfl_up_sync(0xffffffffu, v, o);
+      if (lane >= o) v += n;
+    }
+    if (i < cp.len) {
+      L[i] = carry + v;
+      const float g = a.ws.tok_gamma[(int64_t)t * H + h];
+      gam[i] = g;
+      u[i] = g + (t + 1 < cp.run_end ? a.ws.tok_bterm[(int64_t)(t + 1) * H + h] : 0.f);
+    }
+    carry += __shfl_sync(0xffffffffu, v, 31);
+  }
+}
+
+// Entries i0, i1 of row (t, r) of k (B, B_bias) or q (C, C_bias) after bias and rotation:
+// pair i of N/2 (halves (i, i+N/2) for MIMO, adjacent (2i, 2i+1) otherwise), rotated by
+// theta_t[i] (rot_t[i] = its cos and sin) when i < S.
+__device__ __forceinline__ void rotated_pair(const PrefillScanArgs& a, const float* normed, const float* bias,
+                                             const float2* rot_t, int i, float& v0, float& v1, int& i0, int& i1) {
+  const int N = a.dims.d_state, half = N / 2;
+  i0 = a.mimo_rotation ? i : 2 * i;
+  i1 = a.mimo_rotation ? i + half : 2 * i + 1;
+  const float x0 = normed[i0] + bias[i0], x1 = normed[i1] + bias[i1];
+  if (i < a.dims.n_angles) {
+    const float2 r = rot_t[i];
+    const float cs = r.x, sn = r.y;
+    v0 = x0 * cs - x1 * sn;
+    v1 = x0 * sn + x1 * cs;
+  } else {
+    v0 = x0;
+    v1 = x1;
+  }
+}
+
+// The run's last token becomes the slot's k_prev (rotated B, parity (p + T) & 1) and x_prev,
+// written by the block of the run's last chunk for head h.
+__device__ __forceinline__ void write_last_token_prev(const ScanParams& prm, const ChunkPlace& cp, int h,
+                                                      int threads) {
+  const PrefillScanArgs& a = prm.a;
+  const int H = a.dims.heads, P = a.dims.headdim, N = a.dims.d_state, R = a.dims.rank;
+  const int t0 = a.runs.token_begin[cp.run];
+  const int slot = a.runs.slot[cp.run];
+  const int parity_new = (a.runs.parity[cp.run] + (cp.run_end - t0)) & 1;
+  float* st = a.state + slot * a.slot_stride + a.layer_offset;
+  float* kp = st + prm.layout.k_prev + (int64_t)parity_new * H * R * N + (int64_t)h * R * N;
+  const int t = cp.run_end - 1, half = N / 2;
+  for (int idx = threadIdx.x; idx < R * half; idx += threads) {
+    const int r = idx / half, i = idx % half;
+    float v0, v1;
+    int i0, i1;
+    rotated_pair(a, a.ws.b_norm + ((int64_t)t * R + r) * N, a.B_bias + ((int64_t)h * R + r) * N,
+                 a.ws.rot + ((int64_t)t * H + h) * a.dims.n_angles, i, v0, v1, i0, i1);
+    kp[r * N + i0] = v0;
+    kp[r * N + i1] = v1;
+  }
+  for (int p = threadIdx.x; p < P; p += threads) {
+    st[prm.layout.x_prev + h * P + p] = a.w[(int64_t)t * a.w_stride + a.off_x + h * P + p];
+  }
+}
+
+// The chunk state and chunk output kernels on register fragments (kernels/prefill_chunk_tc.cu):
+// for bf16 operands, MIMO heads, d_state a multiple of 32 and even row strides; the general
+// kernels in prefill_scan.cu take every other shape. Chosen by the shape alone, so a model
+// runs the same kernels at every call.
+bool chunk_tc_applies(const PrefillScanArgs& a);
+void prepare_chunk_tc();  // load time: shared-memory checks and limits
+void launch_chunk_state_tc(const ScanParams& prm, cudaStream_t stream);
+void launch_chunk_output_tc(const ScanParams& prm, cudaStream_t stream);
+
+}  // namespace m3::kernels::prefill_detail
