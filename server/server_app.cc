@@ -103,6 +103,12 @@ ServerApp::ServerApp(const ServerConfig& config, std::shared_ptr<spdlog::logger>
   engine_options.use_graphs = config_.cuda_graphs;
   engine_options.deterministic = config_.deterministic;
   engine_options.cuda = config_.cuda;
+  if (config_.prefill_chunk_tokens == ServerConfig::kAutoPrefillChunkTokens) {
+    const bool cuda = config_.backend == "cuda" || (config_.backend == "auto" && cuda_backend_available());
+    config_.prefill_chunk_tokens = resolve_prefill_chunk_tokens(config_.prefill_chunk_tokens, cuda);
+    logger_->info("prefill_chunk_tokens auto: {} (for the {} backend)", config_.prefill_chunk_tokens,
+                  cuda ? "cuda" : "cpu");
+  }
   if (config_.prefill_chunk_tokens > 0) {
     engine_options.max_prefill_tokens = std::max(config_.prefill_chunk_tokens, config_.prefill_alone_tokens);
   }

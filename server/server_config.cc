@@ -9,6 +9,7 @@
 #include <fstream>
 #include <functional>
 #include <map>
+#include <optional>
 #include <sstream>
 #include <stdexcept>
 #include <utility>
@@ -26,7 +27,13 @@ struct Setting {
   const char* key;
   Member member;
   const char* help;
-  bool auto_is_zero = false;  // the value "auto" is stored as 0
+  // Where the value may be "auto": the number it is stored as (outside the numbers a user may
+  // write, so that one written out is refused), and the least number a user may write.
+  struct Auto {
+    int stored;
+    int least;
+  };
+  std::optional<Auto> auto_as;
 };
 
 // The one list of settings: YAML keys, flags and help all come from it.
@@ -49,7 +56,7 @@ const std::vector<Setting>& settings() {
       {"max_batch", &ServerConfig::max_batch,
        "sequences decoded together (engine slots), 1..4096, or auto: from the GPU's free memory "
        "and the state a slot holds, on the CPU from its cores",
-       true},
+       Setting::Auto{0, 1}},
       {"state_dtype", &ServerConfig::state_dtype,
        "fp32 | bf16: the recurrent state stored in bf16 (updated in fp32) halves its bytes; "
        "on cuda it needs weight_dtype bf16"},
@@ -59,7 +66,9 @@ const std::vector<Setting>& settings() {
        "submit each decode step before handing out the previous step's tokens (false: one at a time)"},
       {"prefill_chunk_tokens", &ServerConfig::prefill_chunk_tokens,
        "prompt and Converse input tokens read by prefill per scheduler iteration, between the "
-       "decode steps of the running streams; 0: one decode step per input token"},
+       "decode steps of the running streams; 0: one decode step per input token; auto: 2048 "
+       "on cuda (a pass there is short beside the step), 512 on the CPU",
+       Setting::Auto{ServerConfig::kAutoPrefillChunkTokens, 0}},
       {"prefill_alone_tokens", &ServerConfig::prefill_alone_tokens,
        "input tokens read by prefill per scheduler iteration while no stream is replying (no "
        "inter-token latency to hold); the larger of it and prefill_chunk_tokens applies, and "
@@ -141,15 +150,17 @@ std::string flag_name(const char* key) {
 // Parses `text` into the setting; returns "" or what was wrong ("expected an integer").
 std::string assign(ServerConfig& config, const Setting& setting, const std::string& text) {
   const Member& member = setting.member;
-  if (setting.auto_is_zero) {  // (0 is how auto is kept, so a 0 written out is refused)
+  if (setting.auto_as) {
     int& value = config.*std::get<int ServerConfig::*>(member);
     if (text == "auto") {
-      value = 0;
+      value = setting.auto_as->stored;
       return "";
     }
+    const int least = setting.auto_as->least;
     auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
-    if (text.empty() || ec != std::errc() || end != text.data() + text.size() || value < 1)
-      return "expected auto or a positive integer, got '" + text + "'";
+    if (text.empty() || ec != std::errc() || end != text.data() + text.size() || value < least)
+      return std::string("expected auto or ") + (least == 1 ? "a positive integer" : "an integer >= " + std::to_string(least)) +
+             ", got '" + text + "'";
     return "";
   }
   return std::visit(
@@ -304,7 +315,7 @@ void ServerConfig::validate() const {
   check_one_of("state_dtype", state_dtype, {"fp32", "bf16"});
   check_int("queue_capacity", queue_capacity, 0, 1'000'000);
   // (The engine sizes its prefill buffers for one chunk at load.)
-  check_int("prefill_chunk_tokens", prefill_chunk_tokens, 0, 65536);
+  if (prefill_chunk_tokens != kAutoPrefillChunkTokens) check_int("prefill_chunk_tokens", prefill_chunk_tokens, 0, 65536);
   check_int("prefill_alone_tokens", prefill_alone_tokens, 1, 65536);
   check_int("prefill_min_tokens", prefill_min_tokens, 1, 65536);
   check_int("max_new_tokens_limit", max_new_tokens_limit, 1, 1 << 24);
@@ -474,6 +485,11 @@ std::string command_line_help() {
   }
   out += "\nThe CUDA engine's policy (YAML section cuda:, key path joined with '-'):\n" + cuda_policy_flags_help();
   return out;
+}
+
+int resolve_prefill_chunk_tokens(int configured, bool cuda) {
+  if (configured != ServerConfig::kAutoPrefillChunkTokens) return configured;
+  return cuda ? 2048 : 512;
 }
 
 }  // namespace m3

@@ -27,7 +27,10 @@ struct ServerConfig {
   std::string state_dtype = "fp32";          // fp32 | bf16: how the recurrent state is stored
   int queue_capacity = 64;                   // requests waiting for a slot; more: RESOURCE_EXHAUSTED
   bool pipelined_steps = true;               // submit each step before the previous one's tokens are out
-  int prefill_chunk_tokens = 512;            // input tokens read by prefill per iteration; 0 = by decode steps
+  // Input tokens read by prefill per iteration; 0 = by decode steps; kAutoPrefillChunkTokens
+  // (auto) = chosen for the backend at start (resolve_prefill_chunk_tokens).
+  static constexpr int kAutoPrefillChunkTokens = -1;
+  int prefill_chunk_tokens = kAutoPrefillChunkTokens;
   int prefill_alone_tokens = 2048;           // the same while no stream replies (the larger of the two)
   int prefill_min_tokens = 32;               // shorter unread Converse input is read by decode steps
   int max_new_tokens_limit = 4096;           // per request / per reply
@@ -80,5 +83,11 @@ CommandLine parse_command_line(const std::vector<std::string>& args,
                                const std::string& default_config_path = "configs/server.yaml");
 
 std::string command_line_help();
+
+// prefill_chunk_tokens as configured, or for auto the backend's choice: 2048 on cuda, where
+// a 2048-token pass takes about as long as a few decode steps and reading a prompt in
+// 512-token passes costs the streams beside it more (each pass its own fixed cost); 512 on
+// the CPU, where a pass is long beside the step.
+int resolve_prefill_chunk_tokens(int configured, bool cuda);
 
 }  // namespace m3

@@ -123,12 +123,18 @@ TEST(ServerConfigTest, OutOfRangeValuesAreRefused) {
 }
 
 TEST(ServerConfigTest, PrefillChunkTokens) {
-  EXPECT_EQ(ServerConfig{}.prefill_chunk_tokens, 512);
-  EXPECT_EQ(load_server_config_file(M3_TEST_SERVER_YAML).prefill_chunk_tokens, 512);  // documented there
+  EXPECT_EQ(ServerConfig{}.prefill_chunk_tokens, ServerConfig::kAutoPrefillChunkTokens);
+  EXPECT_EQ(load_server_config_file(M3_TEST_SERVER_YAML).prefill_chunk_tokens,
+            ServerConfig::kAutoPrefillChunkTokens);  // documented there
+  EXPECT_EQ(from_yaml("prefill_chunk_tokens: auto\n").prefill_chunk_tokens, ServerConfig::kAutoPrefillChunkTokens);
+  EXPECT_EQ(resolve_prefill_chunk_tokens(ServerConfig::kAutoPrefillChunkTokens, /*cuda=*/true), 2048);
+  EXPECT_EQ(resolve_prefill_chunk_tokens(ServerConfig::kAutoPrefillChunkTokens, /*cuda=*/false), 512);
+  EXPECT_EQ(resolve_prefill_chunk_tokens(64, /*cuda=*/true), 64);  // a number stays as written
+  EXPECT_EQ(resolve_prefill_chunk_tokens(0, /*cuda=*/true), 0);
   EXPECT_EQ(from_yaml("prefill_chunk_tokens: 0\n").prefill_chunk_tokens, 0);  // one step per token
   EXPECT_EQ(parse_command_line({"--prefill-chunk-tokens", "64"}, "").config.prefill_chunk_tokens, 64);
   EXPECT_EQ(error_of([] { from_yaml("prefill_chunk_tokens: -1\n"); }),
-            "prefill_chunk_tokens must be between 0 and 65536, got -1");
+            "server.yaml: key 'prefill_chunk_tokens': expected auto or an integer >= 0, got '-1'");
   EXPECT_EQ(error_of([] { parse_command_line({"--prefill-chunk-tokens", "65537"}, ""); }),
             "prefill_chunk_tokens must be between 0 and 65536, got 65537");
 }
