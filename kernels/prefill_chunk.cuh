@@ -6,6 +6,7 @@
 
 #include <cuda_runtime.h>
 
+#include <cstddef>
 #include <cstdint>
 
 #include "kernels/common.cuh"
@@ -123,6 +124,9 @@ __device__ __forceinline__ void write_last_token_prev(const ScanParams& prm, con
 // runs the same kernels at every call.
 bool chunk_tc_applies(const PrefillScanArgs& a);
 void prepare_chunk_tc();  // load time: shared-memory checks and limits
+// Load time, for each chunk kernel: throws naming the kernel when its static and dynamic
+// shared memory pass kMaxSharedBytesPerBlock; raises its dynamic limit to `bytes`.
+void set_chunk_kernel_smem_limit(const void* kernel, size_t bytes, const char* name);
 void launch_chunk_state_tc(const ScanParams& prm, cudaStream_t stream);
 void launch_chunk_output_tc(const ScanParams& prm, cudaStream_t stream);
 

@@ -217,6 +217,29 @@ __global__ void __launch_bounds__(kThreads) prefill_chunk_state_tc_kernel(const 
   if (threadIdx.x == 0) a.ws.chunk_log_decay[(int64_t)c * H + h] = L[cp.len - 1];
 }
 
+// acc[nt] += Q (this warp's rows, qf) . Bt[rows nt * 8 + g]^T for nt < count, with Bt bf16
+// [rows][ld] holding one row per output column (S~ for the inherited state, k for G).
+template <int kH2, int NT>
+__device__ __forceinline__ void q_times_rows(float (&acc)[NT][4], const uint32_t (&qf)[2][kH2][4],
+                                             const __nv_bfloat16* bt, int ld, int count) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, cq = lane & 3;
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+#pragma unroll
+    for (int kt = 0; kt < kH2; ++kt) {
+      const int n0 = (hh * kH2 + kt) * 16 + 2 * cq;
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        if (nt < count) {
+          const __nv_bfloat16* b = bt + (nt * 8 + g) * ld + n0;
+          mma_bf16(acc[nt], qf[hh][kt][0], qf[hh][kt][1], qf[hh][kt][2], qf[hh][kt][3],
+                   *reinterpret_cast<const uint32_t*>(b), *reinterpret_cast<const uint32_t*>(b + 8));
+        }
+      }
+    }
+  }
+}
+
 // ---- chunk output -------------------------------------------------------------------------
 template <int kH2>
 __global__ void __launch_bounds__(kThreads, 2) prefill_chunk_output_tc_kernel(const ScanParams prm) {
@@ -283,22 +306,7 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_chunk_output_tc_kernel(co
   const int pts = P / 8;
   float y[kMaxPT][4] = {};
   if (row0 < m) {
-    // What the chunk inherits: exp(L_t) q_t . S~.
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-#pragma unroll
-      for (int kt = 0; kt < kH2; ++kt) {
-        const int n0 = (hh * kH2 + kt) * 16 + 2 * cq;
-#pragma unroll
-        for (int pt = 0; pt < kMaxPT; ++pt) {
-          if (pt < pts) {
-            const __nv_bfloat16* b = ss + (pt * 8 + g) * kLdS + n0;
-            mma_bf16(y[pt], qf[hh][kt][0], qf[hh][kt][1], qf[hh][kt][2], qf[hh][kt][3],
-                     *reinterpret_cast<const uint32_t*>(b), *reinterpret_cast<const uint32_t*>(b + 8));
-          }
-        }
-      }
-    }
+    q_times_rows<kH2>(y, qf, ss, kLdS, pts);  // what the chunk inherits: exp(L_t) q_t . S~
     const float e_lo = v_lo ? expf(L[t_lo]) : 0.f, e_hi = v_hi ? expf(L[t_hi]) : 0.f;
 #pragma unroll
     for (int pt = 0; pt < kMaxPT; ++pt) {
@@ -308,19 +316,7 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_chunk_output_tc_kernel(co
     for (int jt = 0; jt <= warp; ++jt) {
       const int j0 = jt * 16;
       float gacc[2][4] = {};
-#pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-#pragma unroll
-        for (int kt = 0; kt < kH2; ++kt) {
-          const int n0 = (hh * kH2 + kt) * 16 + 2 * cq;
-#pragma unroll
-          for (int nt = 0; nt < 2; ++nt) {
-            const __nv_bfloat16* b = ks + (j0 + nt * 8 + g) * kLdK + n0;
-            mma_bf16(gacc[nt], qf[hh][kt][0], qf[hh][kt][1], qf[hh][kt][2], qf[hh][kt][3],
-                     *reinterpret_cast<const uint32_t*>(b), *reinterpret_cast<const uint32_t*>(b + 8));
-          }
-        }
-      }
+      q_times_rows<kH2>(gacc, qf, ks + j0 * kLdK, kLdK, 2);
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll
@@ -423,26 +419,12 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_chunk_output_tc_kernel(co
   if (cp.first + cp.len == cp.run_end) write_last_token_prev(prm, cp, h, kThreads);
 }
 
-void set_limits(const void* fn, size_t bytes, const char* name) {
-  cudaFuncAttributes attr{};
-  M3_CUDA_CHECK(cudaFuncGetAttributes(&attr, fn));
-  if (attr.sharedSizeBytes + bytes > kMaxSharedBytesPerBlock) {
-    throw std::runtime_error(std::string(name) + " needs " + std::to_string(attr.sharedSizeBytes + bytes) +
-                             " bytes of shared memory per block, over the " +
-                             std::to_string(kMaxSharedBytesPerBlock) + "-byte limit");
-  }
-  M3_CUDA_CHECK(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
-  // The whole carveout as shared memory, so that as many blocks fit an SM as it holds.
-  M3_CUDA_CHECK(cudaFuncSetAttribute(fn, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                     static_cast<int>(cudaSharedmemCarveoutMaxShared)));
-}
-
 template <int kH2>
 void set_limits() {
-  set_limits(reinterpret_cast<const void*>(prefill_chunk_state_tc_kernel<kH2>), kStateSmemBytes,
-             "prefill chunk state kernel");
-  set_limits(reinterpret_cast<const void*>(prefill_chunk_output_tc_kernel<kH2>), kSmemBytes,
-             "prefill chunk output kernel");
+  set_chunk_kernel_smem_limit(reinterpret_cast<const void*>(prefill_chunk_state_tc_kernel<kH2>), kStateSmemBytes,
+                              "prefill chunk state kernel");
+  set_chunk_kernel_smem_limit(reinterpret_cast<const void*>(prefill_chunk_output_tc_kernel<kH2>), kSmemBytes,
+                              "prefill chunk output kernel");
 }
 
 template <int kH2>
@@ -468,6 +450,20 @@ void launch(const ScanParams& prm, bool output, cudaStream_t stream) {
 }
 
 }  // namespace
+
+void set_chunk_kernel_smem_limit(const void* fn, size_t bytes, const char* name) {
+  cudaFuncAttributes attr{};
+  M3_CUDA_CHECK(cudaFuncGetAttributes(&attr, fn));
+  if (attr.sharedSizeBytes + bytes > kMaxSharedBytesPerBlock) {
+    throw std::runtime_error(std::string(name) + " needs " + std::to_string(attr.sharedSizeBytes + bytes) +
+                             " bytes of shared memory per block, over the " +
+                             std::to_string(kMaxSharedBytesPerBlock) + "-byte limit");
+  }
+  M3_CUDA_CHECK(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+  // The whole carveout as shared memory, so that as many blocks fit an SM as it holds.
+  M3_CUDA_CHECK(cudaFuncSetAttribute(fn, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                     static_cast<int>(cudaSharedmemCarveoutMaxShared)));
+}
 
 bool chunk_tc_applies(const PrefillScanArgs& a) {
   const PrefillScanDims& d = a.dims;

@@ -516,19 +516,7 @@ void set_smem_limits() {
       {reinterpret_cast<const void*>(prefill_chunk_state_kernel<Op>), Sm::kStateBytes},
       {reinterpret_cast<const void*>(prefill_chunk_output_kernel<Op>), Sm::kOutBytes},
   };
-  for (const auto& [fn, bytes] : kernels) {
-    cudaFuncAttributes attr{};
-    M3_CUDA_CHECK(cudaFuncGetAttributes(&attr, fn));
-    if (attr.sharedSizeBytes + bytes > kMaxSharedBytesPerBlock) {
-      throw std::runtime_error("prefill chunk kernel needs " + std::to_string(attr.sharedSizeBytes + bytes) +
-                               " bytes of shared memory per block, over the " +
-                               std::to_string(kMaxSharedBytesPerBlock) + "-byte limit");
-    }
-    M3_CUDA_CHECK(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
-    // The whole carveout as shared memory, so that as many blocks fit an SM as it holds.
-    M3_CUDA_CHECK(cudaFuncSetAttribute(fn, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                       static_cast<int>(cudaSharedmemCarveoutMaxShared)));
-  }
+  for (const auto& [fn, bytes] : kernels) set_chunk_kernel_smem_limit(fn, bytes, "prefill chunk kernel");
 }
 
 template <typename Op>
