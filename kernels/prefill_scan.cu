@@ -157,8 +157,14 @@ __global__ void __launch_bounds__(kParamThreads) prefill_token_params_kernel(con
     float ss = 0.f;
     for (int n = lane; n < N; n += 32) ss += src[n] * src[n];
     const float scale = rsqrtf(warp_sum(ss) / N + a.norm_eps);
-    float* dst = (is_b ? a.ws.b_norm : a.ws.c_norm) + ((int64_t)t * R + r) * N;
-    for (int n = lane; n < N; n += 32) dst[n] = src[n] * scale * nw[n];
+    const int64_t at = ((int64_t)t * R + r) * N;
+    float* dst = (is_b ? a.ws.b_norm : a.ws.c_norm) + at;
+    __half* dst_h = (is_b ? a.ws.b_norm_h : a.ws.c_norm_h) + at;
+    for (int n = lane; n < N; n += 32) {
+      const float v = src[n] * scale * nw[n];
+      dst[n] = v;
+      dst_h[n] = __float2half_rn(v);
+    }
   }
 }
 
@@ -575,7 +581,8 @@ size_t prefill_scan_workspace_bytes(const PrefillScanDims& d, int max_tokens, in
   const size_t T = max_tokens, H = d.heads, R = d.rank, N = d.d_state, P = d.headdim, S = d.n_angles;
   const size_t C = prefill_max_chunks(max_tokens, max_runs, prefill_chunk_tokens(d));
   const size_t op = d.precision == ScanPrecision::Fp32 ? 4 : 2;
-  return 4 * align256(4 * T * H) + 2 * align256(4 * T * R * N) + align256(8 * T * H * S) + align256(4 * C * H) +
+  return 4 * align256(4 * T * H) + 2 * align256(4 * T * R * N) + 2 * align256(2 * T * R * N) +
+         align256(8 * T * H * S) + align256(4 * C * H) +
          align256(4 * C * H * P * N) + align256(op * C * H * P * N);
 }
 
@@ -595,6 +602,8 @@ PrefillScanWorkspace prefill_scan_workspace(const PrefillScanDims& d, int max_to
   w.tok_dt = reinterpret_cast<float*>(take(4 * T * H));
   w.b_norm = reinterpret_cast<float*>(take(4 * T * R * N));
   w.c_norm = reinterpret_cast<float*>(take(4 * T * R * N));
+  w.b_norm_h = reinterpret_cast<__half*>(take(2 * T * R * N));
+  w.c_norm_h = reinterpret_cast<__half*>(take(2 * T * R * N));
   w.rot = reinterpret_cast<float2*>(take(8 * T * H * S));
   w.chunk_log_decay = reinterpret_cast<float*>(take(4 * C * H));
   w.chunk_delta = reinterpret_cast<float*>(take(4 * C * H * P * N));

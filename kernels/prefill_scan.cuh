@@ -17,7 +17,7 @@
 //
 // Kernels, in stream order (launch_prefill_scan runs all five):
 //   1. token params (per token): dt, a = A*dt, gamma, (1-trap)*dt per head; B and C
-//      RMSNorm (head-independent with one group) into the workspace.
+//      RMSNorm (head-independent with one group) into the workspace, in fp32 and fp16.
 //   2. angles (per run, head, angle): theta_t as a running sum from the slot's angle state
 //      (segment sums, then warp scans); writes cos and sin of theta_t for every token (the
 //      chunk kernels rotate with them) and the slot's final angle (parity (p + T) & 1).
@@ -58,6 +58,7 @@
 //   (the parity the next decode step reads is (p + T) & 1).
 #pragma once
 
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cstddef>
@@ -117,6 +118,10 @@ struct PrefillScanWorkspace {
   float* tok_dt = nullptr;     // [T][H]
   float* b_norm = nullptr;     // [T][R][N] RMS-normed B (before bias and rotation)
   float* c_norm = nullptr;     // [T][R][N]
+  // The same in fp16, the form the bf16 chunk kernels stage (2^-11 relative, against the
+  // 2^-8 of the bf16 operands they become).
+  __half* b_norm_h = nullptr;  // [T][R][N]
+  __half* c_norm_h = nullptr;  // [T][R][N]
   float2* rot = nullptr;       // [T][H][S] cos, sin of theta_t
   float* chunk_log_decay = nullptr;  // [chunks][H] sum of a over the chunk
   float* chunk_delta = nullptr;      // [chunks][H][P][N] the chunk's own contribution

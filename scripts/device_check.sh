@@ -13,6 +13,8 @@
 #   prefill  m3bench prefill, chunked and stepped, s2s-14l bf16
 #   prefill_trace  each kernel's time in a chunked prefill (CUPTI), 2048 tokens at batch 1, 8
 #   prefill_ncu    Nsight Compute on one launch of each chunked-prefill kernel
+#   prefill_sass   Nsight Compute source counters of the chunk kernels: per-SASS-instruction
+#                  stall samples as CSV (prefill_sass_*.csv.gz) for scripts/sass_hotspots.py
 #   bench    m3bench decode at batch 1-64 (per kernel) and 64-4096
 #   state_bf16  the same with bf16 state, and m3drift: bf16 against fp32 state over 2,000 tokens
 #   trace    each kernel's place in the decode graph (CUPTI) at batch 1, 16 and 64
@@ -184,6 +186,21 @@ run_prefill_ncu() {
       "$OUT/prefill_ncu.txt" | head -150
 }
 
+# Where the chunk kernels' warps wait, instruction by instruction, at 2048 tokens, batch 1.
+run_prefill_sass() {
+  local ncu k
+  ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+  for k in prefill_chunk_output prefill_chunk_state; do
+    timeout 240 "$ncu" --kernel-name regex:"$k" --launch-count 1 --section SourceCounters \
+        --section WarpStateStats --section Occupancy -o "$OUT/sass_$k" \
+        "$DEV/bin/m3bench" prefill --config $CONFIG --len 2048 --batch 1 --iters 1 --cuda-prefill chunked \
+        >"$OUT/sass_$k.log" 2>&1 || { fail "ncu source counters $k"; continue; }
+    "$ncu" -i "$OUT/sass_$k.ncu-rep" --page source --csv --print-source sass 2>&1 | gzip >"$OUT/prefill_sass_$k.csv.gz"
+    "$ncu" -i "$OUT/sass_$k.ncu-rep" --page details 2>&1 | grep -E "Duration|Registers|Stall|Warp Cycles|Occupancy" | head -30
+    rm -f "$OUT/sass_$k.ncu-rep"
+  done
+}
+
 # m3bench decode at batch 1, 16 and 64 under the CUPTI kernel trace, one
 # kernel_trace_b<batch>.csv each (scripts/kernel_trace_summary.py reads them).
 run_trace() {
@@ -270,7 +287,7 @@ if [[ ${1:-} == pack ]]; then
   pack "$@"
   exit
 fi
-[[ $# -gt 0 ]] || { echo "usage: $0 pack [BUILD_DIR] | {tests|ab|prefill|prefill_trace|prefill_ncu|bench|state_bf16|trace|serve|realtime|swap|snapshot|prefix|variant_tests}..." >&2; exit 2; }
+[[ $# -gt 0 ]] || { echo "usage: $0 pack [BUILD_DIR] | {tests|ab|prefill|prefill_trace|prefill_ncu|prefill_sass|bench|state_bf16|trace|serve|realtime|swap|snapshot|prefix|variant_tests}..." >&2; exit 2; }
 OUT=${OUT:-$ROOT/device-out}
 export OUT
 mkdir -p "$OUT"
@@ -287,6 +304,7 @@ for mode in "$@"; do
     prefill) run_prefill ;;
     prefill_trace) run_prefill_trace ;;
     prefill_ncu) run_prefill_ncu ;;
+    prefill_sass) run_prefill_sass ;;
     bench) run_bench ;;
     state_bf16) run_state_bf16 ;;
     trace) run_trace ;;

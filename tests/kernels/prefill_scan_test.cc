@@ -27,12 +27,15 @@ using testing::DeviceArray;
 struct GpuCase {
   twin::ScanDims d;
   ScanPrecision precision;
+  // in_proj rows a multiple of 8 floats and o rows of even length, as the engine lays them
+  // out: the bf16 shapes the register-fragment chunk kernels take then run on them.
+  bool aligned = false;
 };
 
 std::string name_of(const GpuCase& c) {
   return "H" + std::to_string(c.d.H) + " P" + std::to_string(c.d.P) + " N" + std::to_string(c.d.N) + " R" +
          std::to_string(c.d.R) + " S" + std::to_string(c.d.S) + (c.d.out_norm ? " out_norm" : "") +
-         (c.d.mimo_rotation ? "" : " pairs") + (c.precision == ScanPrecision::Fp32 ? " fp32" : " bf16");
+         (c.d.mimo_rotation ? "" : " pairs") + (c.precision == ScanPrecision::Fp32 ? " fp32" : " bf16") + (c.aligned ? " aligned" : "");
 }
 
 // gtest prints parameters into the ctest names: the shape, not the struct's bytes.
@@ -63,7 +66,8 @@ void run_call(const GpuCase& c, const std::vector<int>& lengths, const std::vect
   const int n_runs = static_cast<int>(lengths.size());
   const int n_slots = n_runs + 2;  // slot 0 and the last one take no run
   const int64_t slot_stride = 2 * L.floats, layer_offset = L.floats;  // the second of two layers
-  const twin::InProjSplit split = twin::in_proj_split(d, 5);
+  twin::InProjSplit split = twin::in_proj_split(d, 5);
+  if (c.aligned) split.stride = (split.stride + 7) / 8 * 8;
   const twin::ScanParams p = twin::random_params(d, seed);
 
   std::vector<int32_t> token_begin(n_runs + 1), chunk_begin(n_runs + 1), parity(n_runs), slot32(slots.begin(), slots.end());
@@ -75,7 +79,7 @@ void run_call(const GpuCase& c, const std::vector<int>& lengths, const std::vect
 
   const std::vector<float> w = testing::random_floats(static_cast<size_t>(T) * split.stride, seed + 50, -1.5f, 1.5f);
   const std::vector<float> state0 = testing::random_floats(static_cast<size_t>(n_slots) * slot_stride, seed + 51, -0.5f, 0.5f);
-  const int di = d.H * d.P, o_stride = di + 3;
+  const int di = d.H * d.P, o_stride = di + (c.aligned ? 2 : 3);
 
   DeviceArray<float> dw(w), dstate(state0);
   DeviceArray<float> dt_bias(p.dt_bias), D(p.D), B_bias(p.B_bias), C_bias(p.C_bias), B_norm(p.B_norm),
@@ -139,6 +143,12 @@ void run_call(const GpuCase& c, const std::vector<int>& lengths, const std::vect
     const float* h = reinterpret_cast<const float*>(host_of(dev)) + from;
     return std::vector<double>(h, h + n);
   };
+  auto halves_of = [&](const __half* dev, size_t from, size_t n) {
+    const uint16_t* h = reinterpret_cast<const uint16_t*>(host_of(dev)) + from;
+    std::vector<double> v(n);
+    for (size_t k = 0; k < n; ++k) v[k] = f16_to_f32(h[k]);
+    return v;
+  };
   const size_t H = d.H, PN = static_cast<size_t>(d.P) * d.N, RN = static_cast<size_t>(d.R) * d.N;
   for (int i = 0; i < n_runs; ++i) {
     SCOPED_TRACE("intermediates of run " + std::to_string(i) + " (" + std::to_string(lengths[i]) + " tokens)");
@@ -154,6 +164,9 @@ void run_call(const GpuCase& c, const std::vector<int>& lengths, const std::vect
     EXPECT_LE(twin::max_rel_diff(floats_of(a.ws.tok_dt, t0 * H, len * H), tr.tok_dt), 1e-5) << "tok_dt";
     EXPECT_LE(twin::max_rel_diff(floats_of(a.ws.b_norm, t0 * RN, len * RN), tr.b_norm), 1e-5) << "b_norm";
     EXPECT_LE(twin::max_rel_diff(floats_of(a.ws.c_norm, t0 * RN, len * RN), tr.c_norm), 1e-5) << "c_norm";
+    // fp16 keeps 11 significant bits: each value rounded to within 2^-11 of itself.
+    EXPECT_LE(twin::max_rel_diff(halves_of(a.ws.b_norm_h, t0 * RN, len * RN), tr.b_norm), 5e-4) << "b_norm_h";
+    EXPECT_LE(twin::max_rel_diff(halves_of(a.ws.c_norm_h, t0 * RN, len * RN), tr.c_norm), 5e-4) << "c_norm_h";
     if (d.S > 0) {
       const float* rot = reinterpret_cast<const float*>(host_of(a.ws.rot)) + 2 * t0 * H * d.S;
       double worst = 0;
@@ -250,6 +263,11 @@ std::vector<GpuCase> cases() {
     out.push_back({dims(2, 16, 16, 1, 1.0, false, false), prec});
     // Three angles on one head: k_prev then starts 8 bytes past a 16-byte boundary.
     out.push_back({dims(1, 16, 32, 2, 0.1875, false), prec});
+  }
+  for (const twin::ScanDims& d : {dims(2, 64, 128, 4, 0.5, false), dims(2, 64, 128, 4, 1.0, true),
+                                  dims(3, 16, 32, 2, 0.5, true), dims(1, 16, 32, 8, 0.5, false),
+                                  dims(2, 32, 96, 1, 1.0, false), dims(2, 48, 64, 2, 1.0, true)}) {
+    out.push_back({d, ScanPrecision::Bf16TensorCores, true});
   }
   return out;
 }
