@@ -8,6 +8,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <utility>
 
 #include "kernels/common.cuh"
 #include "kernels/mimo_step.cuh"  // MimoStateLayout
@@ -22,6 +23,26 @@ struct ScanParams {
   PrefillScanArgs a;
   MimoStateLayout layout;
 };
+
+// A scan kernel launched on `stream`, by programmatic dependent launch when `pdl` (the
+// kernel then calls wait_for_previous_kernel before reading the previous kernel's outputs).
+template <typename... Params, typename... Args>
+void launch_scan_kernel(void (*kernel)(Params...), dim3 grid, int threads, size_t smem, cudaStream_t stream, bool pdl,
+                        Args&&... args) {
+  cudaLaunchConfig_t config{};
+  config.gridDim = grid;
+  config.blockDim = dim3(threads);
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  cudaLaunchAttribute attr[1];
+  if (pdl) {
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    config.attrs = attr;
+    config.numAttrs = 1;
+  }
+  M3_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
+}
 
 // The run that chunk c belongs to (runs.chunk_begin is ascending).
 __device__ __forceinline__ int run_of_chunk(const PrefillRuns& runs, int c) {
@@ -119,9 +140,11 @@ __device__ __forceinline__ void write_last_token_prev(const ScanParams& prm, con
 }
 
 // The chunk state and chunk output kernels on register fragments (kernels/prefill_chunk_tc.cu):
-// for bf16 operands, MIMO heads, d_state a multiple of 32 and even row strides; the general
-// kernels in prefill_scan.cu take every other shape. Chosen by the shape alone, so a model
-// runs the same kernels at every call.
+// for bf16 operands, MIMO heads, d_state a multiple of 32, rank 1, 2, 4 or 8, an even number
+// of angles, in_proj rows and x/z offsets a multiple of four floats, 16-byte aligned
+// parameters and a shared-memory plan under kMaxSharedBytesPerBlock; the general kernels
+// in prefill_scan.cu take every other case. Chosen by the shape and layout alone, so a
+// model runs the same kernels at every call.
 bool chunk_tc_applies(const PrefillScanArgs& a);
 void prepare_chunk_tc();  // load time: shared-memory checks and limits
 // Load time, for each chunk kernel: throws naming the kernel when its static and dynamic

@@ -108,7 +108,7 @@ __device__ __forceinline__ void copy_rows(unsigned char* dst, int dst_ld, const 
 }
 
 // Everything the chunk kernel of (chunk cp, head h) reads, into shared memory by cp.async
-// (one commit group; S~, when the output kernel copies it, is a group of its own before).
+// (one commit group; the output kernel copies S~ after its wait for the state pass).
 __device__ __forceinline__ void stage_chunk(const PrefillScanArgs& a, const TcSmem& sm, const ChunkPlace& cp, int h,
                                             bool output, unsigned char* base) {
   const int H = a.dims.heads, P = a.dims.headdim, N = a.dims.d_state, R = a.dims.rank, S = a.dims.n_angles;
@@ -240,6 +240,13 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const __nv_b
                : "r"(s));
 }
 
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const __nv_bfloat16* p) {
+  const auto s = static_cast<uint32_t>(__cvta_generic_to_shared(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(s));
+}
+
 template <int kH2, int kR>
 __global__ void __launch_bounds__(kThreads) prefill_chunk_state_tc_kernel(const ScanParams prm, const TcSmem sm) {
   constexpr int kN = kH2 * 32, R = kR;
@@ -252,6 +259,9 @@ __global__ void __launch_bounds__(kThreads) prefill_chunk_state_tc_kernel(const 
   const __nv_bfloat16* ks = reinterpret_cast<const __nv_bfloat16*>(base + sm.k);  // [rows][kLdK]
   __nv_bfloat16* xvw_t = reinterpret_cast<__nv_bfloat16*>(base + sm.xv);          // [P][kLdXv]
 
+  // With no angles kernel the token-params kernel is the previous one: wait before staging.
+  wait_for_previous_kernel();
+  allow_next_kernel();
   const ChunkPlace cp = chunk_place(a, c, kRows / R);
   const int m = cp.len * R, m16 = (m + 15) & ~15;
   stage_chunk(a, sm, cp, h, false, base);
@@ -268,21 +278,24 @@ __global__ void __launch_bounds__(kThreads) prefill_chunk_state_tc_kernel(const 
     const int pt = job % p_tiles, ng = job / p_tiles;
     const int nts = min(8, kN / 8 - ng * 8);  // 8-column tiles of this group (4 when N is 32 or 96's last)
     float acc[8][4] = {};
-    const __nv_bfloat16* a_lo = xvw_t + (pt * 16 + g) * kLdXv + 2 * cq;
-    for (int j0 = 0; j0 < m16; j0 += 16) {
-      const uint32_t a0 = *reinterpret_cast<const uint32_t*>(a_lo + j0);
-      const uint32_t a1 = *reinterpret_cast<const uint32_t*>(a_lo + 8 * kLdXv + j0);
-      const uint32_t a2 = *reinterpret_cast<const uint32_t*>(a_lo + j0 + 8);
-      const uint32_t a3 = *reinterpret_cast<const uint32_t*>(a_lo + 8 * kLdXv + j0 + 8);
-      // Matrices of the x4: rows j0.. and j0+8.. of column tiles nt and nt + 1.
-      const __nv_bfloat16* brow = ks + (j0 + (lane & 7) + 8 * ((lane >> 3) & 1)) * kLdK + ng * 64 + 8 * (lane >> 4);
+    // The A fragment of rows p (pt's 16) and columns j0..j0+15 is one ldmatrix.x4: lanes
+    // 0-15 name rows 0-15 at column j0, lanes 16-31 the same rows at j0 + 8.
+    const __nv_bfloat16* a_row = xvw_t + (pt * 16 + (lane & 15)) * kLdXv + 8 * (lane >> 4);
+    // Matrices of the trans x4: rows j0.. and j0+8.. of column tiles nt and nt + 1.
+    const __nv_bfloat16* b_row = ks + ((lane & 7) + 8 * ((lane >> 3) & 1)) * kLdK + ng * 64 + 8 * (lane >> 4);
 #pragma unroll
-      for (int nt = 0; nt < 8; nt += 2) {
-        if (nt < nts) {
-          uint32_t b[4];
-          ldmatrix_x4_trans(b, brow + nt * 8);
-          mma_bf16(acc[nt], a0, a1, a2, a3, b[0], b[1]);
-          mma_bf16(acc[nt + 1], a0, a1, a2, a3, b[2], b[3]);
+    for (int j0 = 0; j0 < kRows; j0 += 16) {
+      if (j0 < m16) {
+        uint32_t af[4];
+        ldmatrix_x4(af, a_row + j0);
+#pragma unroll
+        for (int nt = 0; nt < 8; nt += 2) {
+          if (nt < nts) {
+            uint32_t b[4];
+            ldmatrix_x4_trans(b, b_row + j0 * kLdK + nt * 8);
+            mma_bf16(acc[nt], af[0], af[1], af[2], af[3], b[0], b[1]);
+            mma_bf16(acc[nt + 1], af[0], af[1], af[2], af[3], b[2], b[3]);
+          }
         }
       }
     }
@@ -298,23 +311,28 @@ __global__ void __launch_bounds__(kThreads) prefill_chunk_state_tc_kernel(const 
   if (threadIdx.x == 0) a.ws.chunk_log_decay[(int64_t)c * H + h] = reinterpret_cast<const float*>(base + sm.terms)[cp.len - 1];
 }
 
-// acc[nt] += Q (this warp's rows, qf) . Bt[rows nt * 8 + g]^T for nt < count, with Bt bf16
-// [rows][ld] holding one row per output column (S~ for the inherited state, k for G).
+// acc[nt] += Q (this warp's rows, qf) . Bt[rows nt * 8 .. + 7]^T for nt < count (even), with
+// Bt bf16 [rows][ld] holding one row per output column (S~ for the inherited state, k for
+// G). Rows of Bt are the B operand's columns: one ldmatrix.x4 gives tiles nt and nt + 1.
 template <int kH2, int NT>
 __device__ __forceinline__ void q_times_rows(float (&acc)[NT][4], const uint32_t (&qf)[2][kH2][4],
                                              const __nv_bfloat16* bt, int ld, int count) {
-  const int lane = threadIdx.x & 31, g = lane >> 2, cq = lane & 3;
+  static_assert(NT % 2 == 0, "column tiles go in pairs");
+  const int lane = threadIdx.x & 31;
+  // Lanes 0-7: rows of tile nt at k0, 8-15: the same at k0 + 8, 16-31: tile nt + 1.
+  const __nv_bfloat16* row = bt + ((lane & 7) + 8 * (lane >> 4)) * ld + 8 * ((lane >> 3) & 1);
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {
 #pragma unroll
     for (int kt = 0; kt < kH2; ++kt) {
-      const int n0 = (hh * kH2 + kt) * 16 + 2 * cq;
+      const int k0 = (hh * kH2 + kt) * 16;
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
+      for (int nt = 0; nt < NT; nt += 2) {
         if (nt < count) {
-          const __nv_bfloat16* b = bt + (nt * 8 + g) * ld + n0;
-          mma_bf16(acc[nt], qf[hh][kt][0], qf[hh][kt][1], qf[hh][kt][2], qf[hh][kt][3],
-                   *reinterpret_cast<const uint32_t*>(b), *reinterpret_cast<const uint32_t*>(b + 8));
+          uint32_t b[4];
+          ldmatrix_x4(b, row + nt * 8 * ld + k0);
+          mma_bf16(acc[nt], qf[hh][kt][0], qf[hh][kt][1], qf[hh][kt][2], qf[hh][kt][3], b[0], b[1]);
+          mma_bf16(acc[nt + 1], qf[hh][kt][0], qf[hh][kt][1], qf[hh][kt][2], qf[hh][kt][3], b[2], b[3]);
         }
       }
     }
@@ -382,14 +400,6 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_chunk_output_tc_kernel(co
   const float* gam = L + tokens;
   const float* u = gam + tokens;
 
-  {  // S~ depends on the block alone: its copy starts first
-    const __nv_bfloat16* src = static_cast<const __nv_bfloat16*>(a.ws.chunk_state_in) + ((int64_t)c * H + h) * P * kN;
-    for (int idx = threadIdx.x; idx < P * kN / 8; idx += kThreads) {
-      const int e = idx * 8;
-      cp_async16(ss + (e / kN) * kLdS + e % kN, src + e);
-    }
-    asm volatile("cp.async.commit_group;" ::: "memory");
-  }
   const ChunkPlace cp = chunk_place(a, c, tokens);
   const int m = cp.len * R;
   stage_chunk(a, sm, cp, h, true, base);
@@ -405,6 +415,17 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_chunk_output_tc_kernel(co
   load_q_row<kH2>(a.ws.c_norm_h + ((int64_t)(cp.first + t_lo_safe) * R + r) * kN, cq, v_lo, qlo);
   load_q_row<kH2>(a.ws.c_norm_h + ((int64_t)(cp.first + t_hi_safe) * R + r) * kN, cq, v_hi, qhi);
   stage_token_terms(a, cp, h, base, sm);
+  // All of the above is two kernels back or older; S~ is the state pass's.
+  wait_for_previous_kernel();
+  allow_next_kernel();
+  {
+    const __nv_bfloat16* src = static_cast<const __nv_bfloat16*>(a.ws.chunk_state_in) + ((int64_t)c * H + h) * P * kN;
+    for (int idx = threadIdx.x; idx < P * kN / 8; idx += kThreads) {
+      const int e = idx * 8;
+      cp_async16(ss + (e / kN) * kLdS + e % kN, src + e);
+    }
+    asm volatile("cp.async.commit_group;" ::: "memory");
+  }
   asm volatile("cp.async.wait_all;" ::: "memory");
   __syncthreads();  // S~, the staged rows and the token terms are in
 
@@ -585,11 +606,10 @@ void launch_tiles(const ScanParams& prm, bool output, cudaStream_t stream) {
   const dim3 grid(prm.a.runs.n_chunks, prm.a.dims.heads);
   const TcSmem sm = tc_smem(prm.a.dims, output);
   if (output) {
-    prefill_chunk_output_tc_kernel<kH2, kR><<<grid, kThreads, sm.bytes, stream>>>(prm, sm);
+    launch_scan_kernel(prefill_chunk_output_tc_kernel<kH2, kR>, grid, kThreads, sm.bytes, stream, prm.a.pdl, prm, sm);
   } else {
-    prefill_chunk_state_tc_kernel<kH2, kR><<<grid, kThreads, sm.bytes, stream>>>(prm, sm);
+    launch_scan_kernel(prefill_chunk_state_tc_kernel<kH2, kR>, grid, kThreads, sm.bytes, stream, prm.a.pdl, prm, sm);
   }
-  M3_CUDA_CHECK(cudaGetLastError());
 }
 
 template <int kH2>

@@ -136,6 +136,7 @@ __global__ void __launch_bounds__(kParamThreads) prefill_token_params_kernel(con
   const PrefillScanArgs& a = prm.a;
   const int t = blockIdx.x;
   const int H = a.dims.heads, N = a.dims.d_state, R = a.dims.rank;
+  allow_next_kernel();  // the angles kernel waits for this one before reading dt
   const float* row = a.w + (int64_t)t * a.w_stride;
   for (int h = threadIdx.x; h < H; h += kParamThreads) {
     const float dt = softplus(row[a.off_dt + h] + a.dt_bias[h]);
@@ -198,6 +199,8 @@ __global__ void __launch_bounds__(kAngleThreads) prefill_angles_kernel(const Sca
   const bool mine = s < S;
   // The slot's angle is read before the barrier: the new one may go to the same half.
   const float theta0 = mine ? angle[(int64_t)parity * H * S + s] : 0.f;
+  wait_for_previous_kernel();  // dt is the token-params kernel's
+  allow_next_kernel();
   float sum = 0.f;
   if (mine) {
 #pragma unroll 8
@@ -242,6 +245,8 @@ __global__ void __launch_bounds__(kStateThreads) prefill_chunk_state_kernel(cons
   float* u = gam + Sm::kRows;
   float* wts = u + Sm::kRows;
 
+  wait_for_previous_kernel();
+  allow_next_kernel();
   const ChunkPlace cp = chunk_place(a, c, Sm::kRows / R);
   const int m = cp.len * R, m16 = (m + 15) & ~15;
   chunk_token_terms(a, cp, h, L, gam, u);
@@ -290,6 +295,8 @@ __global__ void __launch_bounds__(kStateThreads) prefill_state_pass_kernel(const
   const int H = a.dims.heads, P = a.dims.headdim, N = a.dims.d_state, R = a.dims.rank;
   const int h = blockIdx.y, run = blockIdx.z;
   const int e = (blockIdx.x * kStateThreads + threadIdx.x) * 4;
+  wait_for_previous_kernel();  // the chunk state kernel's deltas
+  allow_next_kernel();
   if (e >= P * N) return;
   const int p = e / N, n = e % N;
   const int slot = a.runs.slot[run], parity = a.runs.parity[run] & 1;
@@ -375,6 +382,8 @@ __global__ void __launch_bounds__(ChunkSmem<Op>::kThreadsOut, 2) prefill_chunk_o
   float* gam = L + Sm::kRows;
   float* u = gam + Sm::kRows;
   float* rs = u + Sm::kRows;
+  wait_for_previous_kernel();  // S~ is the state pass's
+  allow_next_kernel();
 
   const ChunkPlace cp = chunk_place(a, c, Sm::kRows / R);
   const int m = cp.len * R, m16 = (m + 15) & ~15;
@@ -534,18 +543,18 @@ void launch_chunks(const ScanParams& prm, cudaStream_t stream) {
   if (tc) {
     launch_chunk_state_tc(prm, stream);
   } else {
-    prefill_chunk_state_kernel<Op><<<dim3(a.runs.n_chunks, H), kStateThreads, Sm::kStateBytes, stream>>>(prm);
-    M3_CUDA_CHECK(cudaGetLastError());
+    launch_scan_kernel(prefill_chunk_state_kernel<Op>, dim3(a.runs.n_chunks, H), kStateThreads, Sm::kStateBytes,
+                       stream, a.pdl, prm);
   }
   const int tiles = (P * N / 4 + kStateThreads - 1) / kStateThreads;
-  prefill_state_pass_kernel<Op><<<dim3(tiles, H, a.runs.n_runs), kStateThreads, 0, stream>>>(prm);
-  M3_CUDA_CHECK(cudaGetLastError());
+  launch_scan_kernel(prefill_state_pass_kernel<Op>, dim3(tiles, H, a.runs.n_runs), kStateThreads, 0, stream, a.pdl,
+                     prm);
   if (tc) {
     launch_chunk_output_tc(prm, stream);
     return;
   }
-  prefill_chunk_output_kernel<Op><<<dim3(a.runs.n_chunks, H), Sm::kThreadsOut, Sm::kOutBytes, stream>>>(prm);
-  M3_CUDA_CHECK(cudaGetLastError());
+  launch_scan_kernel(prefill_chunk_output_kernel<Op>, dim3(a.runs.n_chunks, H), Sm::kThreadsOut, Sm::kOutBytes,
+                     stream, a.pdl, prm);
 }
 
 size_t align256(size_t v) { return (v + 255) & ~size_t{255}; }
@@ -639,8 +648,8 @@ void launch_prefill_scan(const PrefillScanArgs& a, cudaStream_t stream) {
   M3_CUDA_CHECK(cudaGetLastError());
   if (d.n_angles > 0) {
     const int groups = (d.n_angles + kAngleGroup - 1) / kAngleGroup;
-    prefill_angles_kernel<<<dim3(d.heads, a.runs.n_runs, groups), kAngleThreads, 0, stream>>>(prm);
-    M3_CUDA_CHECK(cudaGetLastError());
+    launch_scan_kernel(prefill_angles_kernel, dim3(d.heads, a.runs.n_runs, groups), kAngleThreads, 0, stream, a.pdl,
+                       prm);
   }
   if (d.precision == ScanPrecision::Fp32) {
     launch_chunks<float>(prm, stream);

@@ -163,6 +163,11 @@ struct PrefillScanArgs {
   void* o = nullptr;
   int o_stride = 0;
   bool o_bf16 = false;
+  // Kernels 2 to 5 by programmatic dependent launch (CudaPolicy::pdl): each one's blocks
+  // start, and read what the kernels before the previous one wrote, while that one
+  // finishes; they wait for it before reading its own outputs, and let the next kernel
+  // start only after that wait, so everything two kernels back is complete.
+  bool pdl = false;
 };
 
 // Load time: checks the shape (throws with the reason) and every kernel's shared memory

@@ -103,7 +103,7 @@ struct Table {
 
 Table make_table() {
   Table t;
-  t.add_bool("pdl", M3_ACCESS(bool, pdl), "programmatic dependent launch between the step's kernels");
+  t.add_bool("pdl", M3_ACCESS(bool, pdl), "programmatic dependent launch between the step's kernels and the prefill scan's");
   t.add_int("chains", M3_ACCESS(int, chains), "planned",
             "chains a bucket's step splits into, side by side: planned (two from batch 32) or 1-4 everywhere");
   t.add_bool("next_step_prefetch", M3_ACCESS(bool, next_step_prefetch),

@@ -38,8 +38,8 @@ struct StepVariantPolicy {
 
 struct CudaPolicy {
   // Programmatic dependent launch: each kernel's blocks start while the previous kernel
-  // drains; where each kernel lets the next one start is gemv.trigger and
-  // recurrence.trigger.
+  // drains, in the decode step (where each kernel lets the next one start is gemv.trigger
+  // and recurrence.trigger) and between the chunked prefill's scan kernels.
   bool pdl = true;
   // Chains a bucket splits into, side by side (each the whole step for its share of the
   // rows): 0 planned (two from batch 32), or 1 to 4 at every bucket.

@@ -12,6 +12,7 @@
 #   ab       decode A/B of OLD (device_ab_check.sh's OLD_REF build, when packed) and this tree
 #   prefill  m3bench prefill, chunked and stepped, s2s-14l bf16
 #   prefill_trace  each kernel's time in a chunked prefill (CUPTI), 2048 tokens at batch 1, 8
+#                  (PREFILL_TRACE_RUNS: other LENxBATCH pairs)
 #   prefill_ncu    Nsight Compute on one launch of each chunked-prefill kernel
 #   prefill_sass   Nsight Compute source counters of the chunk kernels: per-SASS-instruction
 #                  stall samples as CSV (prefill_sass_*.csv.gz) for scripts/sass_hotspots.py
@@ -161,15 +162,17 @@ run_prefill() {
 
 # m3bench prefill (chunked) under the CUPTI kernel trace: each kernel's time, 2048 tokens
 # at batch 1 and 8 (scripts/kernel_trace_totals.py sums it by kernel).
+# PREFILL_TRACE_RUNS: LENxBATCH pairs (default 2048x1 2048x8).
 run_prefill_trace() {
-  local b
-  for b in 1 8; do
-    M3_TRACE_OUT="$OUT/prefill_trace_b$b.csv" CUDA_INJECTION64_PATH="$DEV/lib/libm3_kernel_trace.so" \
+  local run len b
+  for run in ${PREFILL_TRACE_RUNS:-2048x1 2048x8}; do
+    len=${run%x*} b=${run#*x}
+    M3_TRACE_OUT="$OUT/prefill_trace_${len}_b$b.csv" CUDA_INJECTION64_PATH="$DEV/lib/libm3_kernel_trace.so" \
         LD_LIBRARY_PATH="$LD_LIBRARY_PATH:/usr/local/cuda/extras/CUPTI/lib64" \
-        timeout 120 "$DEV/bin/m3bench" prefill --config $CONFIG --len 2048 --batch $b --iters 3 \
-        --cuda-prefill chunked >"$OUT/prefill_trace_b$b.txt" 2>&1 || fail "prefill trace batch $b"
-    [[ -s $OUT/prefill_trace_b$b.csv ]] && python3 "$ROOT/scripts/kernel_trace_totals.py" \
-        "$OUT/prefill_trace_b$b.csv" 2>&1 | head -40
+        timeout 120 "$DEV/bin/m3bench" prefill --config $CONFIG --len "$len" --batch "$b" --iters 3 \
+        --cuda-prefill chunked >"$OUT/prefill_trace_${len}_b$b.txt" 2>&1 || fail "prefill trace $run"
+    [[ -s $OUT/prefill_trace_${len}_b$b.csv ]] && python3 "$ROOT/scripts/kernel_trace_totals.py" \
+        "$OUT/prefill_trace_${len}_b$b.csv" 2>&1 | head -40
   done
 }
 

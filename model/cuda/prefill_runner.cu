@@ -41,6 +41,7 @@ PrefillRunner::PrefillRunner(const ModelConfig& config, const DeviceWeights& wei
       max_runs_(max_runs),
       max_tokens_(max_tokens),
       dims_(scan_dims(config, weights.type)),
+      pdl_(policy.pdl),
       chunk_tokens_(kernels::prefill_chunk_tokens(dims_)),
       act_(weights.type) {
   const ModelConfig& c = config_;
@@ -203,6 +204,7 @@ void PrefillRunner::run(std::span<const PrefillRun> runs, std::span<const int32_
   a.o = rows_.o;
   a.o_stride = rows_.o_stride;
   a.o_bf16 = act_ == WeightDType::BF16;
+  a.pdl = pdl_;
 
   for (int i = 0; i < c.n_layer; ++i) {
     const DeviceLayer& lw = weights_.layers[i];
