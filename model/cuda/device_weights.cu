@@ -1,5 +1,6 @@
 #include "model/cuda/device_weights.h"
 
+#include <algorithm>
 #include <cstring>
 #include <string>
 
@@ -18,6 +19,12 @@ class Packer {
   explicit Packer(WeightDType type) : type_(type) {}
 
   size_t add_matrix(const TensorView& t) { return add(t, type_ == WeightDType::BF16); }
+  // t (rows of `cols`) followed by zero rows up to `rows` rows.
+  size_t add_matrix_rows(const TensorView& t, size_t rows, size_t cols) {
+    const size_t offset = add_matrix(t);
+    host_.resize(std::max(host_.size(), offset + rows * cols * (type_ == WeightDType::BF16 ? 2 : 4)));
+    return offset;
+  }
   size_t add_vector(const TensorView& t) { return add(t, false); }
   std::vector<unsigned char>& bytes() { return host_; }
 
@@ -74,7 +81,11 @@ DeviceWeights upload_weights(const ModelWeights& weights, WeightDType type) {
       vector_elems += t.numel();
       return pk.add_vector(t);
     };
-    o.in_proj = mat("mixer.in_proj.weight");
+    {
+      const TensorView& t = weights.layer(i, "mixer.in_proj.weight");
+      matrix_elems += t.numel();
+      o.in_proj = pk.add_matrix_rows(t, padded_in_proj_rows(cfg.in_proj_rows()), cfg.d_model);
+    }
     o.out_proj = mat("mixer.out_proj.weight");
     o.norm = vec("norm.weight");
     o.dt_bias = vec("mixer.dt_bias");

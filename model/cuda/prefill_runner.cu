@@ -59,7 +59,7 @@ PrefillRunner::PrefillRunner(const ModelConfig& config, const DeviceWeights& wei
                                  "prefill scan workspace");
   kernels::PrefillRowSizes sizes;
   sizes.d_model = c.d_model;
-  sizes.in_proj_rows = c.in_proj_rows();
+  sizes.in_proj_rows = padded_in_proj_rows(c.in_proj_rows());  // the padding's columns of w stay zero
   sizes.d_inner = c.d_inner();
   sizes.mlp_width = c.has_mlp() ? c.mlp_width() : 0;
   sizes.act = act_;
@@ -89,12 +89,7 @@ PrefillRunner::PrefillRunner(const ModelConfig& config, const DeviceWeights& wei
     s.accumulate = accumulate;
     return std::make_unique<kernels::LtGemm>(*lt_, s);
   };
-  const int in_rows = c.in_proj_rows();
-  in_proj_main_rows_ = in_rows < 64 ? in_rows : in_rows / 64 * 64;
-  in_proj_ = gemm(in_proj_main_rows_, c.d_model, rows_.u_stride, rows_.w_stride, false);
-  if (in_proj_main_rows_ < in_rows) {
-    in_proj_tail_ = gemm(in_rows - in_proj_main_rows_, c.d_model, rows_.u_stride, rows_.w_stride, false);
-  }
+  in_proj_ = gemm(padded_in_proj_rows(c.in_proj_rows()), c.d_model, rows_.u_stride, rows_.w_stride, false);
   out_proj_ = gemm(c.d_model, c.d_inner(), rows_.o_stride, rows_.res_stride, true);
   if (c.has_mlp()) {
     fc1_ = gemm(2 * c.mlp_width(), c.d_model, rows_.u_stride, rows_.fc1_stride, false);
@@ -211,11 +206,6 @@ void PrefillRunner::run(std::span<const PrefillRun> runs, std::span<const int32_
     kernels::rmsnorm_rows(rows_.res, rows_.res_stride, lw.norm, c.d_model, eps, rows_.u, act_, rows_.u_stride,
                           tokens, stream);
     in_proj_->run(lw.in_proj, rows_.u, rows_.w, tokens, stream);
-    if (in_proj_tail_) {
-      const size_t weight_bytes = weights_.type == WeightDType::BF16 ? 2 : 4;
-      in_proj_tail_->run(static_cast<const char*>(lw.in_proj) + weight_bytes * in_proj_main_rows_ * c.d_model,
-                         rows_.u, rows_.w + in_proj_main_rows_, tokens, stream);
-    }
     a.dt_bias = lw.dt_bias; a.D = lw.D; a.B_bias = lw.B_bias; a.C_bias = lw.C_bias;
     a.B_norm = lw.B_norm; a.C_norm = lw.C_norm;
     a.mimo_x = lw.mimo_x; a.mimo_z = lw.mimo_z; a.mimo_o = lw.mimo_o; a.out_norm = lw.out_norm;

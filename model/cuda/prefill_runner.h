@@ -82,10 +82,6 @@ class PrefillRunner {
 
   std::unique_ptr<kernels::LtContext> lt_;
   std::unique_ptr<kernels::LtGemm> in_proj_, out_proj_, fc1_, fc2_;
-  // in_proj's rows past the last multiple of 64, as a GEMM of their own (null when none):
-  // cuBLASLt's heuristic picks a slower kernel for a row count that is not one.
-  std::unique_ptr<kernels::LtGemm> in_proj_tail_;
-  int in_proj_main_rows_ = 0;
   // lm_head (norm_f fused) and sampling at batch b: index b - 1.
   std::vector<kernels::KernelLaunch> lm_head_, sampling_;
 };
