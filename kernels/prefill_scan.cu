@@ -643,13 +643,17 @@ void launch_prefill_scan(const PrefillScanArgs& a, cudaStream_t stream) {
                                 ") and layer_offset (" + std::to_string(a.layer_offset) +
                                 ") must keep each layer's state 16-byte aligned (floats a multiple of 4)");
   }
-  const ScanParams prm{a, mimo_state_layout(d.heads, d.headdim, d.d_state, d.rank, d.n_angles, a.state_bf16)};
+  ScanParams prm{a, mimo_state_layout(d.heads, d.headdim, d.d_state, d.rank, d.n_angles, a.state_bf16)};
+  // Programmatic dependent launch saved time from 8 chunks a call on and cost up to 0.13 ms
+  // below (H200, s2s-14l, docs/PERFORMANCE.md): a call of fewer chunks runs without it.
+  constexpr int kPdlMinChunks = 8;
+  prm.a.pdl = a.pdl && a.runs.n_chunks >= kPdlMinChunks;
   prefill_token_params_kernel<<<a.runs.n_tokens, kParamThreads, 0, stream>>>(prm);
   M3_CUDA_CHECK(cudaGetLastError());
   if (d.n_angles > 0) {
     const int groups = (d.n_angles + kAngleGroup - 1) / kAngleGroup;
-    launch_scan_kernel(prefill_angles_kernel, dim3(d.heads, a.runs.n_runs, groups), kAngleThreads, 0, stream, a.pdl,
-                       prm);
+    launch_scan_kernel(prefill_angles_kernel, dim3(d.heads, a.runs.n_runs, groups), kAngleThreads, 0, stream,
+                       prm.a.pdl, prm);
   }
   if (d.precision == ScanPrecision::Fp32) {
     launch_chunks<float>(prm, stream);

@@ -166,7 +166,8 @@ struct PrefillScanArgs {
   // Kernels 2 to 5 by programmatic dependent launch (CudaPolicy::pdl): each one's blocks
   // start, and read what the kernels before the previous one wrote, while that one
   // finishes; they wait for it before reading its own outputs, and let the next kernel
-  // start only after that wait, so everything two kernels back is complete.
+  // start only after that wait, so everything two kernels back is complete. Only for calls
+  // of at least 8 chunks (launch_prefill_scan says why).
   bool pdl = false;
 };
 
