@@ -12,6 +12,7 @@
 
 #include "kernels/common.cuh"
 #include "kernels/mimo_step.cuh"  // MimoStateLayout
+#include "kernels/prefill_chunk_choice.h"
 #include "kernels/prefill_scan.cuh"
 
 namespace m3::kernels::prefill_detail {
@@ -139,13 +140,6 @@ __device__ __forceinline__ void write_last_token_prev(const ScanParams& prm, con
   }
 }
 
-// The chunk state and chunk output kernels on register fragments (kernels/prefill_chunk_tc.cu):
-// for bf16 operands, MIMO heads, d_state a multiple of 32, rank 1, 2, 4 or 8, an even number
-// of angles, in_proj rows and x/z offsets a multiple of four floats, 16-byte aligned
-// parameters and a shared-memory plan under kMaxSharedBytesPerBlock; the general kernels
-// in prefill_scan.cu take every other case. Chosen by the shape and layout alone, so a
-// model runs the same kernels at every call.
-bool chunk_tc_applies(const PrefillScanArgs& a);
 void prepare_chunk_tc();  // load time: shared-memory checks and limits
 // Load time, for each chunk kernel: throws naming the kernel when its static and dynamic
 // shared memory pass kMaxSharedBytesPerBlock; raises its dynamic limit to `bytes`.

@@ -24,6 +24,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
@@ -665,9 +666,11 @@ bool chunk_tc_applies(const PrefillScanArgs& a) {
   const bool rows16 = a.w_stride % 4 == 0 && a.off_x % 4 == 0 && a.off_z % 4 == 0 && aligned16(a.w);
   const bool params16 = aligned16(a.B_bias) && aligned16(a.C_bias) && aligned16(a.mimo_x) && aligned16(a.mimo_z) &&
                         aligned16(a.mimo_o) && (a.out_norm == nullptr || aligned16(a.out_norm));
-  const int most = tc_smem(d, true).bytes > tc_smem(d, false).bytes ? tc_smem(d, true).bytes : tc_smem(d, false).bytes;
+  const int most = std::max(chunk_tc_smem_bytes(d, true), chunk_tc_smem_bytes(d, false));
   return rows16 && params16 && a.o_stride % 2 == 0 && most <= static_cast<int>(kMaxSharedBytesPerBlock);
 }
+
+int chunk_tc_smem_bytes(const PrefillScanDims& d, bool output) { return tc_smem(d, output).bytes; }
 
 void prepare_chunk_tc() {
   set_limits_every_rank<1>();

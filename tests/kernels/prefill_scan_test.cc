@@ -13,6 +13,7 @@
 
 #include "gpu_test_util.h"
 #include "kernels/mimo_step.cuh"
+#include "kernels/prefill_chunk_choice.h"
 #include "kernels/prefill_scan.cuh"
 #include "model/tensor.h"
 #include "prefill_twin.h"
@@ -290,6 +291,37 @@ TEST(PrefillScanHost, RefusesShapesTheKernelsCannotRun) {
             }).find("mimo_rank must be 1, 2, 4 or 8"),
             std::string::npos);
   EXPECT_FALSE(kernels::prefill_scan_shape_refusal(PrefillScanDims{28, 64, 128, 4, 32, ScanPrecision::Bf16TensorCores}));
+}
+
+// No device needed: which chunk kernels a call takes is decided on the host. The s2s-14l head
+// takes the register-fragment kernels within the RTX 5090's shared memory; a shape whose
+// plan would pass it, or rows the 16-byte copies cannot take, go to the general kernels.
+TEST(PrefillScanHost, RegisterFragmentKernelsTakeTheS2sHeadWithinTheSharedMemoryLimit) {
+  using kernels::PrefillScanDims;
+  const PrefillScanDims s2s{28, 64, 128, 4, 32, ScanPrecision::Bf16TensorCores};
+  EXPECT_LE(kernels::prefill_detail::chunk_tc_smem_bytes(s2s, true), static_cast<int>(kernels::kMaxSharedBytesPerBlock));
+  EXPECT_LE(kernels::prefill_detail::chunk_tc_smem_bytes(s2s, false), static_cast<int>(kernels::kMaxSharedBytesPerBlock));
+  const auto* aligned = reinterpret_cast<const float*>(uintptr_t{1} << 20);  // never dereferenced
+  kernels::PrefillScanArgs a;
+  a.dims = s2s;
+  a.w = aligned;
+  a.w_stride = 4736;  // the engine's: in_proj's rows padded to a multiple of 64
+  a.off_z = 0;
+  a.off_x = 28 * 64;
+  a.B_bias = a.C_bias = a.mimo_x = a.mimo_z = a.mimo_o = aligned;
+  a.o_stride = 28 * 64;
+  EXPECT_TRUE(kernels::prefill_detail::chunk_tc_applies(a));
+  a.w_stride = 4730;  // x rows 8 bytes past a 16-byte boundary
+  EXPECT_FALSE(kernels::prefill_detail::chunk_tc_applies(a));
+  a.w_stride = 4736;
+  a.dims.precision = ScanPrecision::Fp32;
+  EXPECT_FALSE(kernels::prefill_detail::chunk_tc_applies(a));
+  // Rank 2 with every pair rotated: 64 tokens of x, z and angles a chunk, over the limit.
+  a.dims = PrefillScanDims{4, 64, 128, 2, 64, ScanPrecision::Bf16TensorCores};
+  a.off_x = 4 * 64;
+  a.o_stride = 4 * 64;
+  EXPECT_GT(kernels::prefill_detail::chunk_tc_smem_bytes(a.dims, true), static_cast<int>(kernels::kMaxSharedBytesPerBlock));
+  EXPECT_FALSE(kernels::prefill_detail::chunk_tc_applies(a));
 }
 
 // No device needed: the check comes before any launch.
