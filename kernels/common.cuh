@@ -155,6 +155,13 @@ __device__ __forceinline__ void load8(const float* w, float (&out)[8]) {
 __device__ __forceinline__ float load1(const __nv_bfloat16* w) { return __bfloat162float(*w); }
 __device__ __forceinline__ float load1(const float* w) { return *w; }
 
+// One 16-byte piece from global to shared memory by cp.async (L2 only), in flight until a
+// cp.async wait.
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem) : "memory");
+}
+
 // Programmatic dependent launch: wait until the previous kernel in the stream finished
 // and its writes are visible. Every kernel calls this before touching data another
 // kernel wrote, so the chain stays ordered when launches overlap. A no-op when the

@@ -37,6 +37,22 @@ void allow_dynamic_smem(const void* kernel, size_t bytes) {
   raise_dynamic_smem_limit(kernel, bytes, attr);
 }
 
+cudaLaunchConfig_t launch_config(dim3 grid, dim3 block, size_t dynamic_smem, cudaStream_t stream, bool pdl,
+                                 cudaLaunchAttribute& attr) {
+  cudaLaunchConfig_t config{};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = dynamic_smem;
+  config.stream = stream;
+  if (pdl) {
+    attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr.val.programmaticStreamSerializationAllowed = 1;
+    config.attrs = &attr;
+    config.numAttrs = 1;
+  }
+  return config;
+}
+
 void KernelLaunch::check_resources() const {
   cudaFuncAttributes attr{};
   M3_CUDA_CHECK(cudaFuncGetAttributes(&attr, func_));
@@ -65,18 +81,8 @@ int KernelLaunch::resident_blocks_per_sm(int threads_per_block) const {
 }
 
 void KernelLaunch::launch(cudaStream_t stream, bool pdl) const {
-  cudaLaunchConfig_t config{};
-  config.gridDim = grid_;
-  config.blockDim = block_;
-  config.dynamicSmemBytes = smem_;
-  config.stream = stream;
-  cudaLaunchAttribute attr[1];
-  if (pdl) {
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    config.attrs = attr;
-    config.numAttrs = 1;
-  }
+  cudaLaunchAttribute attr{};
+  const cudaLaunchConfig_t config = launch_config(grid_, block_, smem_, stream, pdl, attr);
   void* args[1] = {const_cast<unsigned char*>(params_)};
   M3_CUDA_CHECK(cudaLaunchKernelExC(&config, func_, args));
 }

@@ -25,6 +25,12 @@ bool cluster_launch_supported();
 // cudaErrorInvalidValue.
 void allow_dynamic_smem(const void* kernel, size_t bytes);
 
+// The configuration of one launch on `stream`, by programmatic dependent launch when `pdl`
+// (the kernel then waits before reading what the previous one in the stream writes). `attr`
+// holds the attribute the configuration points at: it must outlive the launch call.
+cudaLaunchConfig_t launch_config(dim3 grid, dim3 block, size_t dynamic_smem, cudaStream_t stream, bool pdl,
+                                 cudaLaunchAttribute& attr);
+
 class KernelLaunch {
  public:
   static constexpr size_t kMaxParamBytes = 512;

@@ -11,6 +11,7 @@
 #include <utility>
 
 #include "kernels/common.cuh"
+#include "kernels/launch.cuh"  // launch_config
 #include "kernels/mimo_step.cuh"  // MimoStateLayout
 #include "kernels/prefill_chunk_choice.h"
 #include "kernels/prefill_scan.cuh"
@@ -30,18 +31,8 @@ struct ScanParams {
 template <typename... Params, typename... Args>
 void launch_scan_kernel(void (*kernel)(Params...), dim3 grid, int threads, size_t smem, cudaStream_t stream, bool pdl,
                         Args&&... args) {
-  cudaLaunchConfig_t config{};
-  config.gridDim = grid;
-  config.blockDim = dim3(threads);
-  config.dynamicSmemBytes = smem;
-  config.stream = stream;
-  cudaLaunchAttribute attr[1];
-  if (pdl) {
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    config.attrs = attr;
-    config.numAttrs = 1;
-  }
+  cudaLaunchAttribute attr{};
+  const cudaLaunchConfig_t config = launch_config(grid, dim3(threads), smem, stream, pdl, attr);
   M3_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
 }
 
@@ -142,7 +133,7 @@ __device__ __forceinline__ void write_last_token_prev(const ScanParams& prm, con
 
 void prepare_chunk_tc();  // load time: shared-memory checks and limits
 // Load time, for each chunk kernel: throws naming the kernel when its static and dynamic
-// shared memory pass kMaxSharedBytesPerBlock; raises its dynamic limit to `bytes`.
+// shared memory pass kMaxSharedBytesPerBlock; raises its dynamic limit to at least `bytes`.
 void set_chunk_kernel_smem_limit(const void* kernel, size_t bytes, const char* name);
 void launch_chunk_state_tc(const ScanParams& prm, cudaStream_t stream);
 void launch_chunk_output_tc(const ScanParams& prm, cudaStream_t stream);

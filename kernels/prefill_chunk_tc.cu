@@ -84,10 +84,6 @@ TcSmem tc_smem(const PrefillScanDims& d, bool output) {
 
 __device__ __forceinline__ float2 ld2(const float* p) { return *reinterpret_cast<const float2*>(p); }
 
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
-  const auto s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem) : "memory");
-}
 
 // Rows [0, rows) of row_bytes (a multiple of 16, at most 16 * kThreads) from src, src_ld
 // bytes apart, to dst, dst_ld bytes apart, in 16-byte cp.async pieces; rows from `valid` on
@@ -648,7 +644,7 @@ void set_chunk_kernel_smem_limit(const void* fn, size_t bytes, const char* name)
                              " bytes of shared memory per block, over the " +
                              std::to_string(kMaxSharedBytesPerBlock) + "-byte limit");
   }
-  M3_CUDA_CHECK(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+  allow_dynamic_smem(fn, bytes);
   // The whole carveout as shared memory, so that as many blocks fit an SM as it holds.
   M3_CUDA_CHECK(cudaFuncSetAttribute(fn, cudaFuncAttributePreferredSharedMemoryCarveout,
                                      static_cast<int>(cudaSharedmemCarveoutMaxShared)));
