@@ -84,7 +84,6 @@ TcSmem tc_smem(const PrefillScanDims& d, bool output) {
 
 __device__ __forceinline__ float2 ld2(const float* p) { return *reinterpret_cast<const float2*>(p); }
 
-
 // Rows [0, rows) of row_bytes (a multiple of 16, at most 16 * kThreads) from src, src_ld
 // bytes apart, to dst, dst_ld bytes apart, in 16-byte cp.async pieces; rows from `valid` on
 // become zeros. A thread keeps one piece of a row and walks the rows.
@@ -415,14 +414,9 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_chunk_output_tc_kernel(co
   // All of the above is two kernels back or older; S~ is the state pass's.
   wait_for_previous_kernel();
   allow_next_kernel();
-  {
-    const __nv_bfloat16* src = static_cast<const __nv_bfloat16*>(a.ws.chunk_state_in) + ((int64_t)c * H + h) * P * kN;
-    for (int idx = threadIdx.x; idx < P * kN / 8; idx += kThreads) {
-      const int e = idx * 8;
-      cp_async16(ss + (e / kN) * kLdS + e % kN, src + e);
-    }
-    asm volatile("cp.async.commit_group;" ::: "memory");
-  }
+  copy_rows(reinterpret_cast<unsigned char*>(ss), 2 * kLdS,
+            static_cast<const __nv_bfloat16*>(a.ws.chunk_state_in) + ((int64_t)c * H + h) * P * kN, 2 * kN, P, P,
+            2 * kN);
   asm volatile("cp.async.wait_all;" ::: "memory");
   __syncthreads();  // S~, the staged rows and the token terms are in
 
