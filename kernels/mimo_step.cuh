@@ -121,4 +121,10 @@ bool mimo_step_tc_can_fuse_out_proj(const MimoStepArgs& args);
 int mimo_step_tc_fused_cluster(const MimoStepArgs& args);
 KernelLaunch plan_mimo_step_tc(const MimoStepArgs& args, const MimoStepPolicy& policy = {});
 
+// The streaming variant (mimo_step_stream.cu; plan_mimo_step_tc picks it from
+// MimoStepPolicy::streaming_min_batch): rank 1, 2 or 4, headdim a multiple of 16 up to 64,
+// d_state a multiple of 32 up to 128, state rows on 16 bytes, out_proj not fused.
+bool mimo_step_stream_applies(const MimoStepArgs& args);
+KernelLaunch plan_mimo_step_stream(const MimoStepArgs& args, const MimoStepPolicy& policy = {});
+
 }  // namespace m3::kernels

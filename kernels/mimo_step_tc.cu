@@ -33,6 +33,7 @@
 #include "kernels/common.cuh"
 #include "kernels/mimo_state.cuh"
 #include "kernels/mimo_step.cuh"
+#include "kernels/mimo_step_tc_math.cuh"
 
 namespace m3::kernels {
 namespace {
@@ -43,12 +44,6 @@ struct TcParams {
   int trigger_point;  // recurrence_trigger_point(batch, beside_other_chains)
   int p_blocks;       // blocks per head, each taking P / p_blocks state rows (fused: P / 16)
 };
-
-__device__ __forceinline__ uint32_t to_tf32(float v) {
-  uint32_t r;
-  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(v));
-  return r;
-}
 
 // 16 bytes of a state row, not kept in L1 and fetched from DRAM in 256-byte pieces (the
 // state is read once a step): faster up to batch 16 in one chain, slower from batch 32,
@@ -71,20 +66,6 @@ __device__ __forceinline__ float4 load_state_bf16(const __nv_bfloat16* p, bool s
     v = *reinterpret_cast<const uint2*>(p);
   }
   return widen_bf16x4(v);
-}
-__device__ __forceinline__ void store_state_bf16(__nv_bfloat16* p, float a, float b, float c, float d) {
-  __nv_bfloat162 lo = __floats2bfloat162_rn(a, b), hi = __floats2bfloat162_rn(c, d);
-  __stcg(reinterpret_cast<uint2*>(p),
-         make_uint2(*reinterpret_cast<const uint32_t*>(&lo), *reinterpret_cast<const uint32_t*>(&hi)));
-}
-
-// d += A (16x8, tf32) . B (8x8, tf32), fp32 accumulate.
-__device__ __forceinline__ void mma_tf32(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                         uint32_t b0, uint32_t b1) {
-  asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
 // Shared-memory plan, in floats (every part a multiple of 4, so float4 parts stay aligned).
@@ -224,13 +205,12 @@ __device__ __forceinline__ void mimo_step_tc_body(const TcParams& prm) {
   }
   prefetch_l2(a.prefetch[0]);
   prefetch_l2(a.prefetch[1]);
-  // k_prev for the update's B fragments: entry (m, lane) holds k[t][nA], k_prev[t][nA],
-  // k[t][nA + 2], k_prev[t][nA + 2] with nA = 16m + 4(g/2) + g%2 (k filled in below).
+  // k_prev for the update's B fragments (k_prev_fragment_column; k filled in below).
   float kp[kKE][2];
 #pragma unroll
   for (int j = 0; j < kKE; ++j) {
-    const int e = tid + j * kT, el = e & 31, eg = el >> 2, et = el & 3;
-    const int nA = 16 * (e >> 5) + 4 * (eg >> 1) + (eg & 1);
+    const int e = tid + j * kT, et = e & 3;
+    const int nA = k_prev_fragment_column(e);
     kp[j][0] = kp[j][1] = 0.f;
     if (e < 2 * N && et < R) {
       kp[j][0] = kprev_old[et * N + nA];
@@ -314,14 +294,7 @@ __device__ __forceinline__ void mimo_step_tc_body(const TcParams& prm) {
     const int i = tid + j * kT;
     if (i < RN) { braw[i] = rb[j]; craw[i] = rc[j]; }
   }
-  const float dt = softplus(dt_raw + dt_bias);
-  // Reciprocals by __frcp_rn (correctly rounded, no division subroutine): every thread
-  // derives these scalars itself rather than waiting on a barrier for one to share them.
-  const float A = fminf(-(fmaxf(dA, 0.f) + __frcp_rn(1.f - fminf(dA, 0.f))), -a.a_floor);
-  const float trap = __frcp_rn(1.f + expf(-trap_raw));
-  const float alpha = expf(A * dt);
-  const float beta = (1.f - trap) * dt * alpha;
-  const float gamma = trap * dt;
+  const auto [dt, alpha, beta, gamma] = step_scalars(dt_raw, dA, trap_raw, dt_bias, a.a_floor);
   // The update's A fragment: [gamma * x * mimo_x | beta * x_prev * mimo_x] at rows g, g+8.
   const uint32_t fa0 = to_tf32(gamma * (x0 * mxa0)), fa1 = to_tf32(gamma * (x1 * mxa1));
   const uint32_t fa2 = to_tf32(beta * (xp0 * mxa0)), fa3 = to_tf32(beta * (xp1 * mxa1));
@@ -366,16 +339,13 @@ __device__ __forceinline__ void mimo_step_tc_body(const TcParams& prm) {
     }
     kprev_new[r * N + i0] = k0;
     kprev_new[r * N + i1] = k1;
-    // Scatter into the fragment layouts: k to entry (n/16, lane (2*(w/4) + w%2)*4 + r),
-    // component 2*((w/2)%2), w = n % 16; q to entry (n/16, lane r*4 + w/4), component w%4.
+    // Into the fragment layouts (k_fragment_slot, q_fragment_slot).
     const int ns[2] = {i0, i1};
     const float kv[2] = {k0, k1}, qv[2] = {q0, q1};
 #pragma unroll
     for (int u = 0; u < 2; ++u) {
-      const int n = ns[u], m = n >> 4, wn = n & 15;
-      const int kl = ((2 * (wn >> 2) + (wn & 1)) << 2) + r;
-      kf[(m * 32 + kl) * 4 + 2 * ((wn >> 1) & 1)] = __uint_as_float(to_tf32(kv[u]));
-      qf[(m * 32 + r * 4 + (wn >> 2)) * 4 + (wn & 3)] = __uint_as_float(to_tf32(qv[u]));
+      kf[k_fragment_slot(ns[u], r)] = __uint_as_float(to_tf32(kv[u]));
+      qf[q_fragment_slot(ns[u], r)] = __uint_as_float(to_tf32(qv[u]));
     }
   }
   __syncthreads();
@@ -647,6 +617,9 @@ KernelLaunch plan_fused(const MimoStepArgs& a, const MimoStepPolicy& policy) {
 template <int R>
 KernelLaunch plan_rank_tc(const MimoStepArgs& a, const MimoStepPolicy& policy) {
   if (a.out_proj != nullptr) return plan_fused<R>(a, policy);
+  if (policy.streaming_min_batch > 0 && a.batch >= policy.streaming_min_batch && mimo_step_stream_applies(a)) {
+    return plan_mimo_step_stream(a, policy);
+  }
   const int groups = a.d_state / 16;
   const int forced = policy.tc_column_split;
   if (forced == 4 && groups % 4 == 0) return plan_cs<R, 4>(a, policy);

@@ -34,6 +34,7 @@ std::string mimo_step_policy_refusal(const MimoStepPolicy& p) {
   if (cs != 0 && cs != 1 && cs != 2 && cs != 4) return got("tc_column_split", "0 (planned), 1, 2 or 4", cs);
   if (p.small_batch_rows != 8 && p.small_batch_rows != 16) return got("small_batch_rows", "8 or 16", p.small_batch_rows);
   if (p.whole_head_min_batch < 1) return got("whole_head_min_batch", "at least 1", p.whole_head_min_batch);
+  if (p.streaming_min_batch < 0) return got("streaming_min_batch", "0 (never) or more", p.streaming_min_batch);
   return {};
 }
 

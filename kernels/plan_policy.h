@@ -50,6 +50,10 @@ struct MimoStepPolicy {
   // a block takes a whole 64-row head.
   int small_batch_rows = 16;
   int whole_head_min_batch = 4;
+  // Tensor-core recurrence: the streaming kernel (persistent blocks, each stepping one
+  // head of many sequences with the next ones' state already on its way into shared
+  // memory; mimo_step_stream.cu) from this batch, where its shape applies; 0: never.
+  int streaming_min_batch = 0;
 };
 
 // Why a policy cannot be planned by ("row_block_cluster must be 0 (planned), 2, 4 or 8,

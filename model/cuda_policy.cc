@@ -151,6 +151,8 @@ Table make_table() {
             "CUDA-core recurrence: state rows a block below batch 8: 16 | 8");
   t.add_int("recurrence.whole_head_min_batch", M3_ACCESS(int, recurrence.whole_head_min_batch), nullptr,
             "CUDA-core recurrence: a whole head a block from this batch");
+  t.add_int("recurrence.streaming_min_batch", M3_ACCESS(int, recurrence.streaming_min_batch), "never",
+            "tensor-core recurrence: the streaming kernel (persistent blocks, state staged ahead) from this batch");
   return t;
 }
 

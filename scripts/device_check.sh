@@ -16,6 +16,12 @@
 #   prefill_ncu    Nsight Compute on one launch of each chunked-prefill kernel
 #   prefill_sass   Nsight Compute source counters of the chunk kernels: per-SASS-instruction
 #                  stall samples as CSV (prefill_sass_*.csv.gz) for scripts/sass_hotspots.py
+#   decode_ncu     Nsight Compute on the decode step's recurrence (mimo_step_tc) at
+#                  NCU_BATCHES (default 64 512), with per-SASS-instruction stall samples
+#                  (decode_sass_b*.csv.gz for scripts/sass_hotspots.py)
+#   decode_flags   m3bench decode at DECODE_BATCHES (default 16,32,64,256,1024) once for each
+#                  ';'-separated set of flags in DECODE_FLAG_SETS (default: the defaults),
+#                  the sets taking turns twice, so that drift shows
 #   bench    m3bench decode at batch 1-64 (per kernel) and 64-4096
 #   state_bf16  the same with bf16 state, and m3drift: bf16 against fp32 state over 2,000 tokens
 #   trace    each kernel's place in the decode graph (CUPTI) at batch 1, 16 and 64
@@ -204,6 +210,41 @@ run_prefill_sass() {
   done
 }
 
+run_decode_flags() {
+  local sets round i flags
+  IFS=';' read -r -a sets <<<"${DECODE_FLAG_SETS:- }"
+  for round in 1 2; do
+    for i in "${!sets[@]}"; do
+      flags=${sets[$i]}
+      # shellcheck disable=SC2086  # the flags are words
+      if timeout 200 "$DEV/bin/m3bench" decode --config $CONFIG --batch "${DECODE_BATCHES:-16,32,64,256,1024}" \
+          --iters 20 $flags >"$OUT/decode_flags_${i}_$round.txt" 2>&1; then
+        note "decode [${flags# }] round $round: $(awk '$1 ~ /^[0-9]+$/ && NF >= 11 {printf "b%s %s (%sx); ", $1, $4, $7}' "$OUT/decode_flags_${i}_$round.txt")"
+      else
+        fail "decode [$flags] round $round: $(tail -2 "$OUT/decode_flags_${i}_$round.txt" | tr '\n' ' ')"
+      fi
+    done
+  done
+}
+
+# The recurrence of one decode step under Nsight Compute, one launch a batch (past the
+# load-time launches, inside the replayed graph).
+run_decode_ncu() {
+  local ncu b
+  ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+  for b in ${NCU_BATCHES:-64 512}; do
+    timeout 240 "$ncu" --kernel-name regex:"mimo_step" --launch-skip 20 --launch-count 1 \
+        --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+        --section MemoryWorkloadAnalysis --section SchedulerStats --section SourceCounters \
+        -o "$OUT/decode_ncu_b$b" "$DEV/bin/m3bench" decode --config $CONFIG --batch "$b" --iters 2 \
+        >"$OUT/decode_ncu_b$b.log" 2>&1 || { fail "decode ncu batch $b"; continue; }
+    "$ncu" -i "$OUT/decode_ncu_b$b.ncu-rep" --page details 2>&1 |
+      grep -E "mimo_step|Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy|Theoretical Occupancy|Registers Per|Dynamic Shared|Stall|Issued Ipc|Warp Cycles|L2 Hit|Block Limit|Eligible|Mem Busy|Max Bandwidth" | head -60
+    "$ncu" -i "$OUT/decode_ncu_b$b.ncu-rep" --page source --csv --print-source sass 2>&1 | gzip >"$OUT/decode_sass_b$b.csv.gz"
+    rm -f "$OUT/decode_ncu_b$b.ncu-rep"
+  done
+}
+
 # m3bench decode at batch 1, 16 and 64 under the CUPTI kernel trace, one
 # kernel_trace_b<batch>.csv each (scripts/kernel_trace_summary.py reads them).
 run_trace() {
@@ -290,7 +331,7 @@ if [[ ${1:-} == pack ]]; then
   pack "$@"
   exit
 fi
-[[ $# -gt 0 ]] || { echo "usage: $0 pack [BUILD_DIR] | {tests|ab|prefill|prefill_trace|prefill_ncu|prefill_sass|bench|state_bf16|trace|serve|realtime|swap|snapshot|prefix|variant_tests}..." >&2; exit 2; }
+[[ $# -gt 0 ]] || { echo "usage: $0 pack [BUILD_DIR] | {tests|ab|prefill|prefill_trace|prefill_ncu|prefill_sass|decode_ncu|decode_flags|bench|state_bf16|trace|serve|realtime|swap|snapshot|prefix|variant_tests}..." >&2; exit 2; }
 OUT=${OUT:-$ROOT/device-out}
 export OUT
 mkdir -p "$OUT"
@@ -308,6 +349,8 @@ for mode in "$@"; do
     prefill_trace) run_prefill_trace ;;
     prefill_ncu) run_prefill_ncu ;;
     prefill_sass) run_prefill_sass ;;
+    decode_ncu) run_decode_ncu ;;
+    decode_flags) run_decode_flags ;;
     bench) run_bench ;;
     state_bf16) run_state_bf16 ;;
     trace) run_trace ;;

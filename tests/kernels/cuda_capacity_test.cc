@@ -89,7 +89,7 @@ double relative_difference(const float* got, const float* ref, int n) {
 // and against the CUDA engine's fp32 state, on the model in `dir`: five slots side by side,
 // one alone (batch 1; out_proj fused into the recurrence where `fused`), then a slot saved
 // and loaded into another.
-void check_bf16_state(const std::filesystem::path& dir, bool fused) {
+void check_bf16_state(const std::filesystem::path& dir, bool fused, bool streaming = false) {
   const ModelWeights weights = ModelWeights::load(dir);
   const ModelConfig& c = weights.config();
   EngineOptions o;
@@ -97,6 +97,7 @@ void check_bf16_state(const std::filesystem::path& dir, bool fused) {
   o.weight_dtype = WeightDType::BF16;
   o.state_dtype = StateDType::BF16;
   o.cuda.step_variants.out_proj_fused = fused ? Tuned::On : Tuned::Off;
+  if (streaming) o.cuda.recurrence.streaming_min_batch = 1;
   auto cuda = make_engine("cuda", weights, o);
   auto cpu = make_engine("cpu", weights, o);
   o.state_dtype = StateDType::F32;
@@ -173,6 +174,20 @@ TEST_F(CudaCapacityTest, Bf16StateInTheFusedBatchOneKernelStepsAsTheCpuEnginesBf
   ScratchDir dir("cuda_bf16_state_s2s_heads");
   testing::write_model(c, dir.path());
   check_bf16_state(dir.path(), /*fused=*/true);
+}
+
+// The same head shape with every batch's recurrence in the streaming kernel, whose stages
+// hold the bf16 state as it is stored.
+TEST_F(CudaCapacityTest, Bf16StateInTheStreamingKernelStepsAsTheCpuEnginesBf16State) {
+  M3_REQUIRE_CUDA_DEVICE();
+  ModelConfig c = testing::small_config();
+  c.d_model = 128;
+  c.ssm.mimo_rank = 4;
+  c.ssm.headdim = 64;
+  c.ssm.d_state = 128;
+  ScratchDir dir("cuda_bf16_state_streaming");
+  testing::write_model(c, dir.path());
+  check_bf16_state(dir.path(), /*fused=*/false, /*streaming=*/true);
 }
 
 TEST_F(CudaCapacityTest, Bf16StateWithFp32WeightsIsRefusedByName) {

@@ -5,6 +5,7 @@
 
 #include <cstdlib>
 #include <memory>
+#include <numeric>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -447,6 +448,39 @@ TEST_F(CudaEngineTest, PolicyFieldsShapeTheReportedPlan) {
   bad.recurrence.small_batch_rows = 12;
   EXPECT_EQ(test::error_of<std::invalid_argument>([&] { cuda(2, WeightDType::BF16, true, bad); }),
             "cuda.recurrence.small_batch_rows must be 8 or 16, got 12");
+}
+
+// recurrence.streaming_min_batch puts the streaming recurrence into every bucket from that
+// batch (both chains of a split one), and the engine decodes as the CPU engine does there
+// and below it.
+TEST_F(CudaEngineTest, StreamingRecurrenceFromItsBatchDecodesAsTheCpuEngine) {
+  M3_REQUIRE_CUDA_DEVICE();
+  ModelConfig c = testing::small_config();
+  s2s_head_shape(c);
+  load(c);
+  CudaPolicy policy;
+  policy.recurrence.streaming_min_batch = 8;
+  auto gpu = cuda(40, WeightDType::BF16, true, policy);
+  auto* impl = cuda::cuda_profiling(*gpu);
+  ASSERT_NE(impl, nullptr);
+  for (const int batch : {4, 16, 40}) {
+    const cuda::StepPlanReport plan = impl->step_plan(batch);
+    int streaming = 0, per_head = 0;
+    for (const auto& chain : plan.chains) {
+      for (const cuda::PlannedKernel& k : chain) {
+        streaming += k.name == "mimo_step_stream";
+        per_head += k.name == "mimo_step_tc";
+      }
+    }
+    const int chain_batch = batch / static_cast<int>(plan.chains.size());
+    EXPECT_EQ(streaming, chain_batch >= 8 ? c.n_layer * static_cast<int>(plan.chains.size()) : 0) << cuda::to_string(plan);
+    EXPECT_EQ(per_head, chain_batch >= 8 ? 0 : c.n_layer * static_cast<int>(plan.chains.size())) << cuda::to_string(plan);
+  }
+  auto ref = cpu(40);
+  decode_against_cpu(*gpu, *ref, V(), 3e-2, {3, 0, 17, 39});
+  std::vector<int32_t> sixteen(16);
+  std::iota(sixteen.begin(), sixteen.end(), 20);
+  decode_against_cpu(*gpu, *ref, V(), 3e-2, sixteen);
 }
 
 // EngineOptions::deterministic keeps atomics out of the step (out_proj is not fused at

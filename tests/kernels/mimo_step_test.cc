@@ -210,7 +210,8 @@ void run_dims(const Dims& d, uint32_t seed, int batch = 3, int fuse_d_model = 0,
       dres.upload(residual);
     }
     const kernels::KernelLaunch plan = kernels::plan_mimo_step(a, policy);
-    ASSERT_EQ(plan.name(), tensor_cores ? "mimo_step_tc" : "mimo_step");
+    const bool streaming = want_variant.rfind("streaming", 0) == 0;
+    ASSERT_EQ(plan.name(), !tensor_cores ? "mimo_step" : streaming ? "mimo_step_stream" : "mimo_step_tc");
     ASSERT_NE(plan.variant().find(want_variant), std::string::npos) << plan.variant();
     plan.launch(nullptr, false);
     M3_CUDA_CHECK(cudaDeviceSynchronize());
@@ -417,6 +418,28 @@ TEST(MimoStepKernel, TensorCoreVariantUnderEachPolicyMatchesTwin) {
   kernels::MimoStepPolicy at_end;
   at_end.trigger = kernels::RecurrenceTrigger::AtEnd;
   run_dims({2, 32, 32, 4, 8, false, true}, seed++, 3, 0, bf16, true, at_end, "trigger 0");
+}
+
+// The streaming kernel (persistent blocks, a head of many sequences each, the next ones'
+// state staged ahead in shared memory): one sequence a block, several (the ring of stages
+// refilled), a ragged last round, the grouped norm, ranks 1, 2 and 4, SISO pairs, heads
+// of 16 and 32 rows and 32-column states (no swizzle below 8 pieces a row). Shapes it does
+// not take fall back to the per-head kernel.
+TEST(MimoStepKernel, StreamingVariantMatchesTwin) {
+  M3_REQUIRE_CUDA_DEVICE();
+  const auto bf16 = WeightDType::BF16;
+  kernels::MimoStepPolicy policy;
+  policy.streaming_min_batch = 1;
+  run_dims({3, 64, 128, 4, 32, false, true}, 2100, 5, 0, bf16, true, policy, "streaming");
+  run_dims({2, 64, 128, 4, 32, true, true}, 2110, 601, 0, bf16, true, policy, "streaming");
+  run_dims({2, 64, 128, 2, 32, false, true}, 2120, 300, 0, bf16, true, policy, "streaming");
+  run_dims({2, 64, 64, 1, 16, true, false}, 2130, 70, 0, bf16, true, policy, "streaming");
+  run_dims({2, 32, 32, 4, 8, false, true}, 2140, 40, 0, bf16, true, policy, "streaming");
+  run_dims({3, 16, 64, 4, 16, true, true}, 2150, 9, 0, bf16, true, policy, "streaming");
+  run_dims({2, 48, 48, 2, 12, true, true}, 2160, 20, 0, bf16, true, policy, "tensor cores");
+  policy.streaming_min_batch = 64;  // below it, the per-head kernel
+  run_dims({2, 64, 128, 4, 32, false, true}, 2170, 63, 0, bf16, true, policy, "tensor cores");
+  run_dims({2, 64, 128, 4, 32, false, true}, 2180, 64, 0, bf16, true, policy, "streaming");
 }
 
 TEST(MimoStepKernel, RefusesAPolicyItHasNoPlanFor) {

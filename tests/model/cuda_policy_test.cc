@@ -18,7 +18,7 @@ TEST(CudaPolicyTest, DefaultsAreThePlannedStep) {
             "gemv.batch1_rows_per_warp=2 gemv.tensor_core_min_batch=2 gemv.row_block_min_batch=2 "
             "gemv.row_block_cluster=planned gemv.row_block_batch_tile=planned recurrence.trigger=planned "
             "recurrence.state_load=planned recurrence.tc_column_split=planned recurrence.small_batch_rows=16 "
-            "recurrence.whole_head_min_batch=4");
+            "recurrence.whole_head_min_batch=4 recurrence.streaming_min_batch=never");
   EXPECT_NO_THROW(CudaPolicy{}.validate());
 }
 
