@@ -125,6 +125,8 @@ KernelLaunch plan_mimo_step_tc(const MimoStepArgs& args, const MimoStepPolicy& p
 // MimoStepPolicy::streaming_min_batch): rank 1, 2 or 4, headdim a multiple of 16 up to 64,
 // d_state a multiple of 32 up to 128, state rows on 16 bytes, out_proj not fused.
 bool mimo_step_stream_applies(const MimoStepArgs& args);
+// The shared memory its plan asks for (applies only within kMaxSharedBytesPerBlock).
+size_t mimo_step_stream_smem_bytes(const MimoStepArgs& args);
 KernelLaunch plan_mimo_step_stream(const MimoStepArgs& args, const MimoStepPolicy& policy = {});
 
 }  // namespace m3::kernels

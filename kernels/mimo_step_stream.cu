@@ -35,40 +35,50 @@ struct StreamParams {
   MimoStateLayout layout;
   int blocks_per_head;  // K
   int trigger_point;    // 0: the next kernel may launch at the end; 2: before the wait; else after it
+  bool vector_inputs;   // in_proj's B and C rows start on 16 bytes: copied in 16-byte pieces
+  bool vector_k_prev;   // so do the k_prev rows
 };
 
 __host__ __device__ constexpr int round4(int v) { return (v + 3) & ~3; }
 
-// Shared memory in floats: kStages stages of one sequence's inputs, then the block's own
-// areas. Every part is a multiple of 4 floats, so 16-byte pieces stay aligned.
+// Stages a block keeps: two where a head's fp32 state (32 KB at d_state 128) leaves no room
+// for a third under the 101,376-byte limit, else three.
+__host__ __device__ constexpr int stream_stages(int N, bool bf16_state) { return !bf16_state && N == 128 ? 2 : 3; }
+
+// Shared memory in floats: the stages of one sequence's inputs, then the block's own areas.
+// Every part is a multiple of 4 floats, so 16-byte pieces stay aligned.
 struct StreamSmem {
   int st, kp, xp, ao, bw, cw, xw, zw, aw, sc, stage;  // within a stage; stage: its size
-  int kf, qf, ys, scale, red, mx, mz, mo, on, sn, cs, total;
+  int kf, qf, ys, scale, red, mx, mz, mo, on, nb, nc, bb, cb, sn, cs, total;
 };
-__host__ __device__ inline StreamSmem stream_smem(int R, int N, int P, int S, bool bf16_state, int stages) {
+__host__ __device__ constexpr StreamSmem stream_smem(int R, int N, int P, int S, bool bf16_state) {
   StreamSmem s{};
   int at = 0;
   s.st = at; at += bf16_state ? P * N / 2 : P * N;  // the head's state rows
-  s.kp = at; at += round4(R * N);  // k_prev (old parity)
+  s.kp = at; at += R * N;          // k_prev (old parity)
   s.xp = at; at += round4(P);      // x_prev
   s.ao = at; at += round4(S);      // old angles
-  s.bw = at; at += round4(R * N);  // in_proj's B, C, x, z, angle inputs, dt / A / trap
-  s.cw = at; at += round4(R * N);
+  s.bw = at; at += R * N;          // in_proj's B, C, x, z, angle inputs, dt / A / trap
+  s.cw = at; at += R * N;
   s.xw = at; at += round4(P);
   s.zw = at; at += round4(P);
   s.aw = at; at += round4(S);
   s.sc = at; at += 4;
   s.stage = at;
-  at *= stages;
+  at *= stream_stages(N, bf16_state);
   s.kf = at; at += 8 * N;          // k and k_prev as update B fragments
   s.qf = at; at += 8 * N;          // q as y-product B fragments
   s.ys = at; at += 2 * R * P;      // y partial sums of the two column halves
-  s.scale = at; at += round4(2 * R);
+  s.scale = at; at += round4(2 * R + 3);  // B / C norm scales, then alpha, beta, gamma
   s.red = at; at += 8 * R;         // output-norm partial sums
-  s.mx = at; at += R * P;          // the head's mimo_x, mimo_z, mimo_o, output-norm weight
-  s.mz = at; at += R * P;
+  s.mx = at; at += R * P;          // the head's parameters: mimo_x, mimo_z, mimo_o, output norm,
+  s.mz = at; at += R * P;          // B and C norm weights and biases
   s.mo = at; at += R * P;
   s.on = at; at += round4(P);
+  s.nb = at; at += N;
+  s.nc = at; at += N;
+  s.bb = at; at += R * N;
+  s.cb = at; at += R * N;
   s.sn = at; at += 64;             // sin and cos of the new angles
   s.cs = at; at += 64;
   s.total = at;
@@ -78,56 +88,83 @@ __host__ __device__ inline StreamSmem stream_smem(int R, int N, int P, int S, bo
 // The 16-byte piece c of state row `row` sits at piece (c ^ swizzle) of that row in a stage:
 // the fragment reads of rows g and g + 1 (fp32) or g .. g + 3 (bf16) then fall in distinct
 // banks. Rows of fewer than 8 pieces stay as they are.
-__device__ __forceinline__ int state_swizzle(int row, int pieces_per_row, bool bf16_state) {
-  if (pieces_per_row < 8) return 0;
-  return bf16_state ? (row & 3) << 1 : (row & 1) << 2;
+template <int kPiecesPerRow, bool kBf16State>
+__device__ __forceinline__ int state_swizzle(int row) {
+  if constexpr (kPiecesPerRow < 8) return 0;
+  return kBf16State ? (row & 3) << 1 : (row & 1) << 2;
 }
 
-template <int R, bool kBf16State, int kStages>
+template <int R, int N, bool kBf16State>
 __global__ void __launch_bounds__(kThreads, 2) mimo_step_stream_kernel(const StreamParams prm) {
-  constexpr int NG = 4;  // 16-column groups a warp at most (half of 128 columns)
+  constexpr int kStages = stream_stages(N, kBf16State);
+  constexpr int kPerRow = kBf16State ? N / 8 : N / 4;  // 16-byte pieces of a state row
+  constexpr int kRowsPerPass = kThreads / kPerRow;     // state rows one pass of the block copies
+  constexpr int NG = N / 32;                            // 16-column groups of a warp's half
+  constexpr int RN = R * N, kHalf = N / 2;
   constexpr int kRJ = (R + kThreads / 64 - 1) / (kThreads / 64);
+  static_assert(kThreads % kPerRow == 0 && 2 * N <= kThreads && kHalf <= 64, "shape outside the block's plan");
   const MimoStepArgs& a = prm.a;
-  const int P = a.headdim, N = a.d_state, S = a.n_angles;
-  const int RN = R * N, RP = R * P, half = N / 2;
+  const int P = a.headdim, S = a.n_angles, RP = R * P;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int rt = warp & 3, ch = warp >> 2;
   const bool updater = rt < P / 16;
-  const int p0 = rt * 16;
-  const int ng = N / 32, m0 = ch * ng;
+  const int p0 = rt * 16, m0 = ch * NG;
   const int K = prm.blocks_per_head, h = blockIdx.x / K, k0 = blockIdx.x % K;
   const int items = (a.batch - k0 + K - 1) / K;  // sequences k0, k0 + K, ...
-  const int per_row = kBf16State ? N / 8 : N / 4;  // 16-byte pieces of a state row
 
   extern __shared__ float4 smem4[];
   float* sm = reinterpret_cast<float*>(smem4);
-  const StreamSmem L = stream_smem(R, N, P, S, kBf16State, kStages);
+  const StreamSmem L = stream_smem(R, N, P, S, kBf16State);
   float *kf = sm + L.kf, *qf = sm + L.qf, *ys = sm + L.ys, *scale = sm + L.scale, *red = sm + L.red;
   float *mxs = sm + L.mx, *mzs = sm + L.mz, *mos = sm + L.mo, *ons = sm + L.on, *sns = sm + L.sn, *css = sm + L.cs;
-  auto stage_of = [&](int j) { return sm + (j % kStages) * L.stage; };
+  const float *nbs = sm + L.nb, *ncs = sm + L.nc, *bbs = sm + L.bb, *cbs = sm + L.cb;
+  // This thread's state pieces: rows tid / kPerRow + kRowsPerPass * i, piece tid % kPerRow
+  // (swizzled by the row's parity, the same in every pass), 16 bytes each.
+  const int my_row = tid / kPerRow, my_piece = tid % kPerRow;
+  const int my_dst = 4 * (my_row * kPerRow + (my_piece ^ state_swizzle<kPerRow, kBf16State>(my_row)));
 
-  // What does not depend on the previous kernel: the state of sequence j ...
+  // What does not depend on the previous kernel: sequence j's state ...
   auto issue_state = [&](int j, int slot, int parity) {
-    float* stg = stage_of(j);
-    const float* st = a.state + slot * a.slot_stride + a.layer_offset;
+    float* stg = sm + (j % kStages) * L.stage;
     const int64_t H = a.heads;
-    const float* ssm = st + prm.layout.ssm + (kBf16State ? (int64_t)h * P * N / 2 : (int64_t)h * P * N);
-    for (int i = tid; i < P * per_row; i += kThreads) {
-      const int row = i / per_row, c = i % per_row;
-      cp_async16(stg + L.st + 4 * (row * per_row + (c ^ state_swizzle(row, per_row, kBf16State))), ssm + 4 * i);
+    const float* st = a.state + slot * a.slot_stride + a.layer_offset;
+    const float* ssm = st + prm.layout.ssm + (kBf16State ? h * (int64_t)P * N / 2 : h * (int64_t)P * N) + 4 * tid;
+#pragma unroll
+    for (int i = 0; i < 64 / kRowsPerPass; ++i) {
+      if (my_row + kRowsPerPass * i < P) {
+        cp_async16(stg + L.st + my_dst + 4 * kPerRow * kRowsPerPass * i, ssm + 4 * kThreads * i);
+      }
     }
-    const float* kprev = st + prm.layout.k_prev + parity * H * RN + (int64_t)h * RN;
-    for (int i = tid; i < RN; i += kThreads) cp_async4(stg + L.kp + i, kprev + i);
-    if (tid < P) cp_async4(stg + L.xp + tid, st + prm.layout.x_prev + (int64_t)h * P + tid);
-    if (tid < S) cp_async4(stg + L.ao + tid, st + prm.layout.angle + parity * H * S + (int64_t)h * S + tid);
+    const float* kprev = st + prm.layout.k_prev + parity * H * RN + h * RN;
+    if (prm.vector_k_prev) {
+      if (4 * tid < RN) cp_async16(stg + L.kp + 4 * tid, kprev + 4 * tid);
+    } else {
+#pragma unroll
+      for (int i = 0; i < (RN + kThreads - 1) / kThreads; ++i) {
+        if (tid + kThreads * i < RN) cp_async4(stg + L.kp + tid + kThreads * i, kprev + tid + kThreads * i);
+      }
+    }
+    if (tid < P) cp_async4(stg + L.xp + tid, st + prm.layout.x_prev + h * P + tid);
+    if (tid < S) cp_async4(stg + L.ao + tid, st + prm.layout.angle + parity * H * S + h * S + tid);
   };
   // ... and its inputs from in_proj, which do.
   auto issue_inputs = [&](int j) {
-    float* stg = stage_of(j);
+    float* stg = sm + (j % kStages) * L.stage;
     const float* w = a.w + (int64_t)(k0 + j * K) * a.w_stride;
-    for (int i = tid; i < RN; i += kThreads) {
-      cp_async4(stg + L.bw + i, w + a.off_B + i);
-      cp_async4(stg + L.cw + i, w + a.off_C + i);
+    if (prm.vector_inputs) {
+      if (4 * tid < RN) {
+        cp_async16(stg + L.bw + 4 * tid, w + a.off_B + 4 * tid);
+        cp_async16(stg + L.cw + 4 * tid, w + a.off_C + 4 * tid);
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < (RN + kThreads - 1) / kThreads; ++i) {
+        const int e = tid + kThreads * i;
+        if (e < RN) {
+          cp_async4(stg + L.bw + e, w + a.off_B + e);
+          cp_async4(stg + L.cw + e, w + a.off_C + e);
+        }
+      }
     }
     if (tid < P) {
       cp_async4(stg + L.xw + tid, w + a.off_x + h * P + tid);
@@ -144,26 +181,13 @@ __global__ void __launch_bounds__(kThreads, 2) mimo_step_stream_kernel(const Str
     mos[i] = a.mimo_o[(int64_t)h * RP + i];
   }
   if (tid < P) ons[tid] = a.out_norm != nullptr ? a.out_norm[h * P + tid] : 1.f;
-  const int pair = tid & 63;
-  const bool rotates = pair < half;
-  const int pi0 = a.mimo_rotation ? pair : 2 * pair, pi1 = a.mimo_rotation ? pair + half : 2 * pair + 1;
-  float ib[kRJ][2], ic[kRJ][2], nb[2] = {0.f, 0.f}, nc[2] = {0.f, 0.f};
-  if (rotates) {
-    nb[0] = a.B_norm[pi0]; nb[1] = a.B_norm[pi1];
-    nc[0] = a.C_norm[pi0]; nc[1] = a.C_norm[pi1];
+  if (tid < N) {
+    sm[L.nb + tid] = a.B_norm[tid];
+    sm[L.nc + tid] = a.C_norm[tid];
   }
-#pragma unroll
-  for (int j = 0; j < kRJ; ++j) {
-    const int r = (tid >> 6) + j * (kThreads / 64);
-    if (rotates && r < R) {
-      ib[j][0] = a.B_bias[((int64_t)h * R + r) * N + pi0]; ib[j][1] = a.B_bias[((int64_t)h * R + r) * N + pi1];
-      ic[j][0] = a.C_bias[((int64_t)h * R + r) * N + pi0]; ic[j][1] = a.C_bias[((int64_t)h * R + r) * N + pi1];
-    }
-  }
-  float mxa0 = 0.f, mxa1 = 0.f;  // the update's A fragment weights (rank t)
-  if (updater && t < R) {
-    mxa0 = a.mimo_x[((int64_t)h * R + t) * P + p0 + g];
-    mxa1 = a.mimo_x[((int64_t)h * R + t) * P + p0 + g + 8];
+  for (int i = tid; i < RN; i += kThreads) {
+    sm[L.bb + i] = a.B_bias[(int64_t)h * RN + i];
+    sm[L.cb + i] = a.C_bias[(int64_t)h * RN + i];
   }
   const float dt_bias = a.dt_bias[h], Dh = a.D[h];
   prefetch_l2(a.prefetch[0]);
@@ -180,88 +204,109 @@ __global__ void __launch_bounds__(kThreads, 2) mimo_step_stream_kernel(const Str
     cp_async_commit();  // one group a sequence, empty past the last, so the waits below count right
   }
 
+  const int pair = tid & 63;
+  const bool rotates = pair < kHalf;
+  const int pi0 = a.mimo_rotation ? pair : 2 * pair, pi1 = a.mimo_rotation ? pair + kHalf : 2 * pair + 1;
   const int e_row = tid / R, e_rank = tid % R;  // output: row and rank
   const bool emits = e_row < P;
   for (int j = 0; j < items; ++j) {
     const int b = k0 + j * K;
-    const float* stg = stage_of(j);
+    const float* stg = sm + (j % kStages) * L.stage;
+    const int slot = a.slots[b], parity = a.parities[b] & 1;
     const bool refill = j + kStages < items;
-    const int next_b = k0 + (j + kStages) * K;
-    const int next_slot = refill ? a.slots[next_b] : 0, next_parity = refill ? a.parities[next_b] & 1 : 0;
-    const MimoHeadState hs = mimo_head_state(a, prm.layout, b, h);
+    const int next_b = refill ? k0 + (j + kStages) * K : b;
+    const int next_slot = a.slots[next_b], next_parity = a.parities[next_b] & 1;
+    float* st = a.state + slot * a.slot_stride + a.layer_offset;
     cp_async_wait<kStages - 1>();
     __syncthreads();  // sequence j's stage is in; the last sequence's output phase is done
 
-    const auto [dt, alpha, beta, gamma] = step_scalars(stg[L.sc], stg[L.sc + 1], stg[L.sc + 2], dt_bias, a.a_floor);
-    for (int e = tid; e < 2 * N; e += kThreads) {
-      const int et = e & 3, nA = k_prev_fragment_column(e);
+    // The head's scalars, by the warps that advance the angles (the rest read them after
+    // the next barrier).
+    if (warp == 0 || 32 * warp < S) {
+      const auto [dt, alpha, beta, gamma] = step_scalars(stg[L.sc], stg[L.sc + 1], stg[L.sc + 2], dt_bias, a.a_floor);
+      if (tid == 0) {
+        scale[2 * R] = alpha;
+        scale[2 * R + 1] = beta;
+        scale[2 * R + 2] = gamma;
+      }
+      constexpr float kPi = 3.14159265358979323846f;
+      if (tid < S) {
+        const float theta = stg[L.ao + tid] + tanhf(stg[L.aw + tid]) * dt * kPi;
+        st[prm.layout.angle + (1 - parity) * a.heads * S + h * S + tid] = theta;
+        sincosf(theta, &sns[tid], &css[tid]);
+      }
+    }
+    if (tid < 2 * N) {
+      const int et = tid & 3, nA = k_prev_fragment_column(tid);
       const float kp0 = et < R ? stg[L.kp + et * N + nA] : 0.f, kp1 = et < R ? stg[L.kp + et * N + nA + 2] : 0.f;
-      reinterpret_cast<float4*>(kf)[e] =
+      reinterpret_cast<float4*>(kf)[tid] =
           make_float4(0.f, __uint_as_float(to_tf32(kp0)), 0.f, __uint_as_float(to_tf32(kp1)));
-      reinterpret_cast<float4*>(qf)[e] = make_float4(0.f, 0.f, 0.f, 0.f);
+      reinterpret_cast<float4*>(qf)[tid] = make_float4(0.f, 0.f, 0.f, 0.f);
     }
-    constexpr float kPi = 3.14159265358979323846f;
-    if (tid < S) {
-      const float theta = stg[L.ao + tid] + tanhf(stg[L.aw + tid]) * dt * kPi;
-      hs.angle_new[tid] = theta;
-      sincosf(theta, &sns[tid], &css[tid]);
-    }
-    for (int v = warp; v < 2 * R; v += kThreads / 32) {  // RMSNorm scales of B[r] and C[r]
-      const float* src = stg + (v < R ? L.bw : L.cw) + (v % R) * N;
+    if (warp < 2 * R) {  // RMSNorm scales of B[r] and C[r], one warp each
+      const float* src = stg + (warp < R ? L.bw : L.cw) + (warp % R) * N;
       float ss = 0.f;
-      for (int n = lane; n < N; n += 32) ss += src[n] * src[n];
+#pragma unroll
+      for (int n = 0; n < N / 32; ++n) ss += src[lane + 32 * n] * src[lane + 32 * n];
       ss = warp_sum(ss);
-      if (lane == 0) scale[v] = rsqrtf(ss * __frcp_rn(static_cast<float>(N)) + a.norm_eps);
+      if (lane == 0) scale[warp] = rsqrtf(ss * (1.f / N) + a.norm_eps);
     }
     __syncthreads();
 
     // k and q: normalised, weighted, biased, rotated; k also becomes the next step's k_prev.
-    const float sn = pair < S ? sns[pair] : 0.f, cs = pair < S ? css[pair] : 1.f;
+    if (rotates) {
+      const float sn = pair < S ? sns[pair] : 0.f, cs = pair < S ? css[pair] : 1.f;
+      float* kprev_new = st + prm.layout.k_prev + (1 - parity) * (int64_t)a.heads * RN + h * RN;
 #pragma unroll
-    for (int j2 = 0; j2 < kRJ; ++j2) {
-      const int r = (tid >> 6) + j2 * (kThreads / 64);
-      if (!rotates || r >= R) continue;
-      const float* braw = stg + L.bw + r * N;
-      const float* craw = stg + L.cw + r * N;
-      const float k0v = braw[pi0] * scale[r] * nb[0] + ib[j2][0], k1v = braw[pi1] * scale[r] * nb[1] + ib[j2][1];
-      const float q0v = craw[pi0] * scale[R + r] * nc[0] + ic[j2][0], q1v = craw[pi1] * scale[R + r] * nc[1] + ic[j2][1];
-      const float kr0 = k0v * cs - k1v * sn, kr1 = k0v * sn + k1v * cs;  // (pairs past S: sn 0, cs 1)
-      const float qr0 = q0v * cs - q1v * sn, qr1 = q0v * sn + q1v * cs;
-      hs.k_prev_new[r * N + pi0] = kr0;
-      hs.k_prev_new[r * N + pi1] = kr1;
-      kf[k_fragment_slot(pi0, r)] = __uint_as_float(to_tf32(kr0));
-      kf[k_fragment_slot(pi1, r)] = __uint_as_float(to_tf32(kr1));
-      qf[q_fragment_slot(pi0, r)] = __uint_as_float(to_tf32(qr0));
-      qf[q_fragment_slot(pi1, r)] = __uint_as_float(to_tf32(qr1));
+      for (int j2 = 0; j2 < kRJ; ++j2) {
+        const int r = (tid >> 6) + j2 * (kThreads / 64);
+        if (r >= R) continue;
+        const float* braw = stg + L.bw + r * N;
+        const float* craw = stg + L.cw + r * N;
+        const float k0v = braw[pi0] * scale[r] * nbs[pi0] + bbs[r * N + pi0];
+        const float k1v = braw[pi1] * scale[r] * nbs[pi1] + bbs[r * N + pi1];
+        const float q0v = craw[pi0] * scale[R + r] * ncs[pi0] + cbs[r * N + pi0];
+        const float q1v = craw[pi1] * scale[R + r] * ncs[pi1] + cbs[r * N + pi1];
+        const float kr0 = k0v * cs - k1v * sn, kr1 = k0v * sn + k1v * cs;  // (pairs past S: sn 0, cs 1)
+        const float qr0 = q0v * cs - q1v * sn, qr1 = q0v * sn + q1v * cs;
+        kprev_new[r * N + pi0] = kr0;
+        kprev_new[r * N + pi1] = kr1;
+        kf[k_fragment_slot(pi0, r)] = __uint_as_float(to_tf32(kr0));
+        kf[k_fragment_slot(pi1, r)] = __uint_as_float(to_tf32(kr1));
+        qf[q_fragment_slot(pi0, r)] = __uint_as_float(to_tf32(qr0));
+        qf[q_fragment_slot(pi1, r)] = __uint_as_float(to_tf32(qr1));
+      }
     }
     __syncthreads();
 
     // The update and y, 16 columns at a time; the new state goes out as it is produced.
     const float e_x = emits ? stg[L.xw + e_row] : 0.f, e_z = emits ? stg[L.zw + e_row] : 0.f;
     if (updater) {
+      const float alpha = scale[2 * R], beta = scale[2 * R + 1], gamma = scale[2 * R + 2];
       const int r0 = p0 + g, r1 = r0 + 8;
+      const float mxa0 = t < R ? mxs[t * P + r0] : 0.f, mxa1 = t < R ? mxs[t * P + r1] : 0.f;
       const float x0 = stg[L.xw + r0], x1 = stg[L.xw + r1], xp0 = stg[L.xp + r0], xp1 = stg[L.xp + r1];
       const uint32_t fa0 = to_tf32(gamma * (x0 * mxa0)), fa1 = to_tf32(gamma * (x1 * mxa1));
       const uint32_t fa2 = to_tf32(beta * (xp0 * mxa0)), fa3 = to_tf32(beta * (xp1 * mxa1));
-      const int sw = state_swizzle(r0, per_row, kBf16State);  // rows r0 and r1 share it
+      const int sw = state_swizzle<kPerRow, kBf16State>(r0);  // rows r0 and r1 share it
       float yacc[4] = {0.f, 0.f, 0.f, 0.f};
-      float* out0 = hs.ssm + (int64_t)r0 * N + 4 * t;
-      __nv_bfloat16* out0b = reinterpret_cast<__nv_bfloat16*>(hs.ssm) + (int64_t)r0 * N + 4 * t;
-#pragma unroll
+      float* ssm = st + prm.layout.ssm + (kBf16State ? h * (int64_t)P * N / 2 : h * (int64_t)P * N);
+      float* out0 = ssm + r0 * N + 4 * t;
+      __nv_bfloat16* out0b = reinterpret_cast<__nv_bfloat16*>(ssm) + r0 * N + 4 * t;
+#pragma unroll 2
       for (int mi = 0; mi < NG; ++mi) {
-        if (mi >= ng) break;
         const int m = m0 + mi;
         float4 s0, s1;
         if constexpr (kBf16State) {
           const int c = (2 * m + (t >> 1)) ^ sw;
           const uint2* base = reinterpret_cast<const uint2*>(stg + L.st);
-          s0 = widen_bf16x4(base[2 * (r0 * per_row + c) + (t & 1)]);
-          s1 = widen_bf16x4(base[2 * (r1 * per_row + c) + (t & 1)]);
+          s0 = widen_bf16x4(base[2 * (r0 * kPerRow + c) + (t & 1)]);
+          s1 = widen_bf16x4(base[2 * (r1 * kPerRow + c) + (t & 1)]);
         } else {
           const int c = (4 * m + t) ^ sw;
           const float4* base = reinterpret_cast<const float4*>(stg + L.st);
-          s0 = base[r0 * per_row + c];
-          s1 = base[r1 * per_row + c];
+          s0 = base[r0 * kPerRow + c];
+          s1 = base[r1 * kPerRow + c];
         }
         const float4 kv = reinterpret_cast<const float4*>(kf)[m * 32 + lane];
         const float4 qv = reinterpret_cast<const float4*>(qf)[m * 32 + lane];
@@ -323,74 +368,78 @@ __global__ void __launch_bounds__(kThreads, 2) mimo_step_stream_kernel(const Str
     for (int off = 1; off < R; off <<= 1) out += __shfl_xor_sync(0xffffffffu, out, off);
     if (emits && e_rank == 0) {
       a.o[(int64_t)b * a.o_stride + h * P + e_row] = out;
-      hs.x_prev[e_row] = e_x;
+      st[prm.layout.x_prev + h * P + e_row] = e_x;
     }
   }
   if (prm.trigger_point == 0) allow_next_kernel();
 }
 
-// The most stages (3 or 2) whose plan fits a block's shared memory; 0: none does.
-int stream_stages(const MimoStepArgs& a) {
-  for (const int stages : {3, 2}) {
-    const StreamSmem s = stream_smem(a.rank, a.d_state, a.headdim, a.n_angles, a.state_bf16, stages);
-    if (sizeof(float) * static_cast<size_t>(s.total) <= kMaxSharedBytesPerBlock) return stages;
-  }
-  return 0;
-}
-
-template <int R, bool kBf16State>
-KernelLaunch make_stream(const StreamParams& prm, int blocks, size_t smem, int stages) {
+template <int R, int N>
+KernelLaunch make_stream(const StreamParams& prm, int blocks, size_t smem) {
   const dim3 grid(blocks), block(kThreads);
-  return stages == 3 ? KernelLaunch::make("mimo_step_stream", mimo_step_stream_kernel<R, kBf16State, 3>, grid, block, smem, prm)
-                     : KernelLaunch::make("mimo_step_stream", mimo_step_stream_kernel<R, kBf16State, 2>, grid, block, smem, prm);
+  return prm.a.state_bf16
+             ? KernelLaunch::make("mimo_step_stream", mimo_step_stream_kernel<R, N, true>, grid, block, smem, prm)
+             : KernelLaunch::make("mimo_step_stream", mimo_step_stream_kernel<R, N, false>, grid, block, smem, prm);
 }
 
 template <int R>
-KernelLaunch make_stream_rank(const StreamParams& prm, int blocks, size_t smem, int stages) {
-  return prm.a.state_bf16 ? make_stream<R, true>(prm, blocks, smem, stages) : make_stream<R, false>(prm, blocks, smem, stages);
+KernelLaunch make_stream_rank(const StreamParams& prm, int blocks, size_t smem) {
+  switch (prm.a.d_state) {
+    case 32: return make_stream<R, 32>(prm, blocks, smem);
+    case 64: return make_stream<R, 64>(prm, blocks, smem);
+    default: return make_stream<R, 128>(prm, blocks, smem);
+  }
 }
 
-KernelLaunch make_stream_launch(const StreamParams& prm, int blocks, size_t smem, int stages) {
+KernelLaunch make_stream_launch(const StreamParams& prm, int blocks, size_t smem) {
   switch (prm.a.rank) {
-    case 1: return make_stream_rank<1>(prm, blocks, smem, stages);
-    case 2: return make_stream_rank<2>(prm, blocks, smem, stages);
-    default: return make_stream_rank<4>(prm, blocks, smem, stages);
+    case 1: return make_stream_rank<1>(prm, blocks, smem);
+    case 2: return make_stream_rank<2>(prm, blocks, smem);
+    default: return make_stream_rank<4>(prm, blocks, smem);
   }
 }
 
 }  // namespace
 
+size_t mimo_step_stream_smem_bytes(const MimoStepArgs& a) {
+  return sizeof(float) * static_cast<size_t>(stream_smem(a.rank, a.d_state, a.headdim, a.n_angles, a.state_bf16).total);
+}
+
 bool mimo_step_stream_applies(const MimoStepArgs& a) {
   const bool rank_ok = a.rank == 1 || a.rank == 2 || a.rank == 4;
-  // Whole heads of up to 64 rows in 16-row tiles, two column halves of 16-column groups,
-  // and state rows that start on 16 bytes (cp.async copies them in 16-byte pieces).
-  const bool shape_ok = a.headdim % 16 == 0 && a.headdim <= 64 && a.d_state % 32 == 0 && a.d_state <= 128 &&
-                        2 * a.n_angles <= a.d_state;
+  // Whole heads of up to 64 rows in 16-row tiles, d_state 32, 64 or 128 (kernels built for
+  // each), and state rows that start on 16 bytes (cp.async copies them in 16-byte pieces).
+  const bool shape_ok = a.headdim % 16 == 0 && a.headdim > 0 && a.headdim <= 64 &&
+                        (a.d_state == 32 || a.d_state == 64 || a.d_state == 128) && 2 * a.n_angles <= a.d_state;
   const bool aligned = a.slot_stride % 4 == 0 && a.layer_offset % 4 == 0 &&
                        reinterpret_cast<uintptr_t>(a.state) % 16 == 0;
-  return rank_ok && shape_ok && aligned && a.out_proj == nullptr && a.batch > 0 && stream_stages(a) > 0;
+  return rank_ok && shape_ok && aligned && a.out_proj == nullptr && a.batch > 0 &&
+         mimo_step_stream_smem_bytes(a) <= kMaxSharedBytesPerBlock;
 }
 
 KernelLaunch plan_mimo_step_stream(const MimoStepArgs& a, const MimoStepPolicy& policy) {
   if (!mimo_step_stream_applies(a)) {
     throw std::invalid_argument("mimo_step (streaming): needs rank 1, 2 or 4, headdim a multiple of 16 up to 64, "
-                                "d_state a multiple of 32 up to 128, state rows on 16 bytes and out_proj unfused");
+                                "d_state 32, 64 or 128, state rows on 16 bytes and out_proj unfused");
   }
-  const int stages = stream_stages(a);
-  const StreamSmem s = stream_smem(a.rank, a.d_state, a.headdim, a.n_angles, a.state_bf16, stages);
-  const size_t smem = sizeof(float) * static_cast<size_t>(s.total);
-  StreamParams prm{a, mimo_state_layout(a.heads, a.headdim, a.d_state, a.rank, a.n_angles, a.state_bf16), 1, 1};
+  const size_t smem = mimo_step_stream_smem_bytes(a);
+  const MimoStateLayout layout = mimo_state_layout(a.heads, a.headdim, a.d_state, a.rank, a.n_angles, a.state_bf16);
+  StreamParams prm{a, layout, 1, 1, false, false};
   const RecurrenceTrigger trigger = policy.trigger;
   prm.trigger_point = trigger == RecurrenceTrigger::AtEnd ? 0 : trigger == RecurrenceTrigger::BeforeWait ? 2 : 1;
+  const auto on16 = [](const float* p, int64_t floats) { return reinterpret_cast<uintptr_t>(p + floats) % 16 == 0; };
+  prm.vector_inputs = a.w_stride % 4 == 0 && on16(a.w, a.off_B) && on16(a.w, a.off_C);
+  prm.vector_k_prev = layout.k_prev % 4 == 0 && (int64_t(a.heads) * a.rank * a.d_state) % 4 == 0;
   // As many blocks a head as the GPU holds at once, then as few as give each the same
-  // number of sequences (its last wave no longer than the others).
-  const int resident = make_stream_launch(prm, a.heads, smem, stages).resident_blocks_per_sm(kThreads);
+  // number of sequences (its last round no longer than the others).
+  const int resident = make_stream_launch(prm, a.heads, smem).resident_blocks_per_sm(kThreads);
   const int most = std::max(1, std::min(a.batch, resident * multiprocessor_count() / a.heads));
   const int per_block = (a.batch + most - 1) / most;
   prm.blocks_per_head = (a.batch + per_block - 1) / per_block;
-  return make_stream_launch(prm, a.heads * prm.blocks_per_head, smem, stages)
+  return make_stream_launch(prm, a.heads * prm.blocks_per_head, smem)
       .described("streaming, " + std::to_string(prm.blocks_per_head) + " blocks a head, " +
-                 std::to_string(per_block) + " sequences a block, " + std::to_string(stages) + " stages" +
+                 std::to_string(per_block) + " sequences a block, " +
+                 std::to_string(stream_stages(a.d_state, a.state_bf16)) + " stages" +
                  (a.state_bf16 ? ", bf16 state" : "") + ", trigger " + std::to_string(prm.trigger_point));
 }
 

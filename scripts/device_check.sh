@@ -16,9 +16,11 @@
 #   prefill_ncu    Nsight Compute on one launch of each chunked-prefill kernel
 #   prefill_sass   Nsight Compute source counters of the chunk kernels: per-SASS-instruction
 #                  stall samples as CSV (prefill_sass_*.csv.gz) for scripts/sass_hotspots.py
-#   decode_ncu     Nsight Compute on the decode step's recurrence (mimo_step_tc) at
-#                  NCU_BATCHES (default 64 512), with per-SASS-instruction stall samples
-#                  (decode_sass_b*.csv.gz for scripts/sass_hotspots.py)
+#   decode_ncu     Nsight Compute on the decode step's recurrence (mimo_step_*) at
+#                  NCU_BATCHES (default 64 512), once for each ';'-separated set of m3bench
+#                  flags in NCU_FLAG_SETS (kernels matching NCU_REGEX, after NCU_SKIP
+#                  launches), with per-SASS-instruction stall samples
+#                  (decode_sass_b*_set*.csv.gz for scripts/sass_hotspots.py)
 #   decode_flags   m3bench decode at DECODE_BATCHES (default 16,32,64,256,1024) once for each
 #                  ';'-separated set of flags in DECODE_FLAG_SETS (default: the defaults),
 #                  the sets taking turns twice, so that drift shows
@@ -230,18 +232,25 @@ run_decode_flags() {
 # The recurrence of one decode step under Nsight Compute, one launch a batch (past the
 # load-time launches, inside the replayed graph).
 run_decode_ncu() {
-  local ncu b
+  local ncu b flags tag i=0 sets
   ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
-  for b in ${NCU_BATCHES:-64 512}; do
-    timeout 240 "$ncu" --kernel-name regex:"mimo_step" --launch-skip 20 --launch-count 1 \
-        --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
-        --section MemoryWorkloadAnalysis --section SchedulerStats --section SourceCounters \
-        -o "$OUT/decode_ncu_b$b" "$DEV/bin/m3bench" decode --config $CONFIG --batch "$b" --iters 2 \
-        >"$OUT/decode_ncu_b$b.log" 2>&1 || { fail "decode ncu batch $b"; continue; }
-    "$ncu" -i "$OUT/decode_ncu_b$b.ncu-rep" --page details 2>&1 |
-      grep -E "mimo_step|Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy|Theoretical Occupancy|Registers Per|Dynamic Shared|Stall|Issued Ipc|Warp Cycles|L2 Hit|Block Limit|Eligible|Mem Busy|Max Bandwidth" | head -60
-    "$ncu" -i "$OUT/decode_ncu_b$b.ncu-rep" --page source --csv --print-source sass 2>&1 | gzip >"$OUT/decode_sass_b$b.csv.gz"
-    rm -f "$OUT/decode_ncu_b$b.ncu-rep"
+  IFS=';' read -r -a sets <<<"${NCU_FLAG_SETS:- }"
+  for flags in "${sets[@]}"; do
+    i=$((i + 1))
+    for b in ${NCU_BATCHES:-64 512}; do
+      tag=b${b}_set$i
+      echo "==== decode ncu batch $b, flags [$flags]"
+      # shellcheck disable=SC2086  # the flags are words
+      timeout 240 "$ncu" --kernel-name regex:"${NCU_REGEX:-mimo_step}" --launch-skip "${NCU_SKIP:-20}" --launch-count 1 \
+          --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+          --section MemoryWorkloadAnalysis --section SchedulerStats --section SourceCounters \
+          -o "$OUT/decode_ncu_$tag" "$DEV/bin/m3bench" decode --config $CONFIG --batch "$b" --iters 10 $flags \
+          >"$OUT/decode_ncu_$tag.log" 2>&1 || { fail "decode ncu batch $b [$flags]"; continue; }
+      "$ncu" -i "$OUT/decode_ncu_$tag.ncu-rep" --page details 2>&1 |
+        grep -E "mimo_step|Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy|Theoretical Occupancy|Registers Per|Dynamic Shared|Stall|Issued Ipc|Warp Cycles|L2 Hit|Block Limit|Eligible|Mem Busy|Max Bandwidth|SM Frequency|Executed Instructions " | head -60
+      "$ncu" -i "$OUT/decode_ncu_$tag.ncu-rep" --page source --csv --print-source sass 2>&1 | gzip >"$OUT/decode_sass_$tag.csv.gz"
+      rm -f "$OUT/decode_ncu_$tag.ncu-rep"
+    done
   done
 }
 

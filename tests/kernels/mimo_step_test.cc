@@ -442,6 +442,34 @@ TEST(MimoStepKernel, StreamingVariantMatchesTwin) {
   run_dims({2, 64, 128, 4, 32, false, true}, 2180, 64, 0, bf16, true, policy, "streaming");
 }
 
+// No device needed: whether the streaming kernel takes a head is decided on the host. The
+// s2s-14l head (28 x 64 x 128, rank 4) takes it within the RTX 5090's shared memory with
+// fp32 and bf16 state; other d_state values, state rows off 16 bytes and a fused out_proj
+// do not.
+TEST(MimoStepStreamHost, TakesTheS2sHeadWithinTheSharedMemoryLimit) {
+  kernels::MimoStepArgs a;
+  a.heads = 28; a.headdim = 64; a.d_state = 128; a.rank = 4; a.n_angles = 32;
+  a.state = reinterpret_cast<float*>(uintptr_t{1} << 20);  // never dereferenced
+  a.layer_offset = kernels::mimo_state_layout(28, 64, 128, 4, 32).floats;
+  a.slot_stride = 14 * a.layer_offset;
+  a.batch = 256;
+  for (const bool bf16_state : {false, true}) {
+    a.state_bf16 = bf16_state;
+    EXPECT_TRUE(kernels::mimo_step_stream_applies(a)) << bf16_state;
+    EXPECT_LE(kernels::mimo_step_stream_smem_bytes(a), kernels::kMaxSharedBytesPerBlock) << bf16_state;
+  }
+  a.state_bf16 = false;
+  a.d_state = 96;
+  EXPECT_FALSE(kernels::mimo_step_stream_applies(a));
+  a.d_state = 128;
+  a.layer_offset += 2;
+  EXPECT_FALSE(kernels::mimo_step_stream_applies(a));
+  a.layer_offset -= 2;
+  int fused = 0;
+  a.out_proj = &fused;
+  EXPECT_FALSE(kernels::mimo_step_stream_applies(a));
+}
+
 TEST(MimoStepKernel, RefusesAPolicyItHasNoPlanFor) {
   M3_REQUIRE_CUDA_DEVICE();
   kernels::MimoStepArgs a;
