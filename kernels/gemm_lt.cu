@@ -3,6 +3,7 @@
 #include <cublasLt.h>
 #include <dlfcn.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
@@ -201,6 +202,10 @@ void LtGemm::run(const void* weight, const void* x, float* y, int rows, cudaStre
                                                         b.y, &b.algo, p.workspace, LtContext::kWorkspaceBytes, stream);
   // The message is built only on failure: a call allocates nothing on the host.
   if (status != CUBLAS_STATUS_SUCCESS) check_lt(status, "Matmul", describe(p.shape));
+}
+
+void LtGemm::run_every_bucket(const void* weight, const void* x, float* y, cudaStream_t stream) const {
+  for (const Plan::Bucket& b : plan_->buckets) run(weight, x, y, std::min(b.rows, plan_->shape.max_rows), stream);
 }
 
 }  // namespace m3::kernels

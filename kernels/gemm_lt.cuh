@@ -58,6 +58,10 @@ class LtGemm {
   const LtGemmShape& shape() const;
   // weight, x and y 16-byte aligned; 1 <= rows <= shape.max_rows.
   void run(const void* weight, const void* x, float* y, int rows, cudaStream_t stream) const;
+  // One call at every row bucket, so that each bucket's kernel is loaded before the first
+  // real call needs it (CUDA loads a kernel's module at its first launch, several
+  // milliseconds for a cuBLASLt kernel). x and y as for run() at max_rows.
+  void run_every_bucket(const void* weight, const void* x, float* y, cudaStream_t stream) const;
 
  private:
   struct Plan;

@@ -118,6 +118,9 @@ Table make_table() {
   t.add_enum("prefill", M3_ACCESS(PrefillPath, prefill), &kPrefillPath,
              "how prefill() reads a run: auto (chunked where the model's shape allows, else steps) | steps (a "
              "decode step a token) | chunked (GEMMs and the chunked scan; refuses a shape it cannot run)");
+  t.add_int("prefill_graph_max_tokens", M3_ACCESS(int, prefill_graph_max_tokens), "never",
+            "chunked prefill: a call of one run up to this many tokens replays a graph captured at load for "
+            "its length (never: launched kernel by kernel)");
   t.add_enum("step_variants.out_proj_fused", M3_ACCESS(Tuned, step_variants.out_proj_fused), &kTuned,
              "batch 1-2: out_proj inside the recurrence: measure (at load) | off | on");
   t.add_enum("step_variants.embedding_gathered", M3_ACCESS(Tuned, step_variants.embedding_gathered), &kTuned,
@@ -183,6 +186,10 @@ void CudaPolicy::validate() const {
   }
   if (prefill != PrefillPath::Steps && prefill != PrefillPath::Chunked && prefill != PrefillPath::Auto) {
     refuse("prefill", "steps, chunked or auto", static_cast<int>(prefill));
+  }
+  if (prefill_graph_max_tokens < 0 || prefill_graph_max_tokens > kMaxPrefillGraphTokens) {
+    refuse("prefill_graph_max_tokens", "0 (never) to " + std::to_string(kMaxPrefillGraphTokens),
+           prefill_graph_max_tokens);
   }
   if (recurrence_fuse_max_batch < 0) refuse("recurrence_fuse_max_batch", "0 or more", recurrence_fuse_max_batch);
   if (!decode_buckets_refusal(buckets_per_octave).empty()) refuse("buckets_per_octave", "1, 2, 4 or 8", buckets_per_octave);

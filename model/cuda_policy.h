@@ -54,6 +54,11 @@ struct CudaPolicy {
   // a batch runs at the smallest that holds it; 1: powers of two only.
   int buckets_per_octave = 8;
   PrefillPath prefill = PrefillPath::Auto;
+  // Chunked prefill: a call of one run of at most this many tokens replays a CUDA graph
+  // captured at load for its length (0: never), which takes the launch gaps of the ~8
+  // kernels a layer that short runs are made of.
+  int prefill_graph_max_tokens = 512;
+  static constexpr int kMaxPrefillGraphTokens = 2048;  // a graph a length: load time and memory grow with it
   StepVariantPolicy step_variants;
   kernels::GemvPolicy gemv;
   kernels::MimoStepPolicy recurrence;

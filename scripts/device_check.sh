@@ -10,7 +10,8 @@
 # Modes:
 #   tests    every GPU gtest binary whole, then each m3check command ctest labels gpu
 #   ab       decode A/B of OLD (device_ab_check.sh's OLD_REF build, when packed) and this tree
-#   prefill  m3bench prefill, chunked and stepped, s2s-14l bf16
+#   prefill  m3bench prefill, chunked and stepped, s2s-14l bf16 (PREFILL_LENS, PREFILL_BATCHES;
+#            PREFILL_FLAG_SETS: ';'-separated sets of flags, a chunked run each)
 #   prefill_trace  each kernel's time in a chunked prefill (CUPTI), 2048 tokens at batch 1, 8
 #                  (PREFILL_TRACE_RUNS: other LENxBATCH pairs)
 #   prefill_ncu    Nsight Compute on one launch of each chunked-prefill kernel
@@ -151,17 +152,24 @@ run_ab() {
 # Chunked and stepped with this tree's m3bench, then chunked with each packed variant's
 # (VARIANT_BINS), then this tree's again, so that drift shows.
 run_prefill() {
-  local run bin mode
+  local run bin mode flags i=0 sets
   local runs=${PREFILL_RUNS:-chunked steps}
   for bin in "$DEV"/bin/m3bench_*; do [[ -x $bin ]] && runs+=" chunked_${bin##*/m3bench_}"; done
+  # PREFILL_FLAG_SETS: ';'-separated sets of more m3bench flags, each a chunked run of its own
+  # (prefill_set<i>), between the runs above and chunked_again.
+  IFS=';' read -r -a sets <<<"${PREFILL_FLAG_SETS:-}"
+  for flags in "${sets[@]}"; do i=$((i + 1)); runs+=" set$i"; done
   for run in $runs chunked_again; do
     bin=$DEV/bin/m3bench
     mode=${run%%_*}
+    flags=""
     [[ $run == chunked_* && $run != chunked_again ]] && bin=$DEV/bin/m3bench_${run#chunked_}
+    if [[ $run == set* ]]; then mode=chunked flags=${sets[$((${run#set} - 1))]}; fi
+    # shellcheck disable=SC2086  # the flags are words
     if timeout 240 "$bin" prefill --config $CONFIG --len "${PREFILL_LENS:-128,512,2048,8192}" \
-        --batch 1,8 --iters 5 --cuda-prefill "$mode" --json "$OUT/prefill_$run.json" 2>&1 |
+        --batch "${PREFILL_BATCHES:-1,8}" --iters 5 --cuda-prefill "$mode" $flags --json "$OUT/prefill_$run.json" 2>&1 |
         tee "$OUT/prefill_$run.txt"; then
-      note "m3bench prefill $run: $(awk '$1 == 2048 {printf "2048x%s %s ms; ", $2, $3}' "$OUT/prefill_$run.txt")"
+      note "m3bench prefill $run${flags:+ [$flags]}: $(awk '$1 == 128 || $1 == 2048 {printf "%sx%s %s ms; ", $1, $2, $3}' "$OUT/prefill_$run.txt")"
     else
       fail "m3bench prefill $run"
     fi

@@ -102,6 +102,7 @@ CudaEngine::CudaEngine(const ModelWeights& weights, const EngineOptions& options
   }
   policy_.validate();
   if (options.deterministic) policy_.step_variants.out_proj_fused = Tuned::Off;  // the fused out_proj adds with atomics
+  if (!options.use_graphs) policy_.prefill_graph_max_tokens = 0;  // graphs off means every graph
   const int devices = cuda_device_count();
   if (device_ < 0 || device_ >= devices) {
     throw std::runtime_error("cuda engine: device " + std::to_string(device_) + " requested, " +
@@ -151,7 +152,7 @@ CudaEngine::CudaEngine(const ModelWeights& weights, const EngineOptions& options
   build_steps();
   if (chunked_prefill) {
     prefill_runner_ = std::make_unique<PrefillRunner>(config_, weights_, buffers_, layout_, policy_, max_slots_,
-                                                      prefill_token_budget_);
+                                                      prefill_token_budget_, stream_);
     prefill_parities_.assign(max_slots_, 0);
   }
   zero_slot(scratch_slot_);  // the variants' trial steps ran on it
@@ -247,6 +248,10 @@ const StepGraph& CudaEngine::graph_for_batch(int batch, int table) const {
 }
 
 std::string CudaEngine::load_report() const { return tuner_report(graphs_); }
+
+int CudaEngine::prefill_graph_max_tokens() const {
+  return prefill_runner_ ? prefill_runner_->graph_max_tokens() : 0;
+}
 
 void CudaEngine::use_device() const {
   int current = -1;
@@ -541,8 +546,10 @@ void CudaEngine::prefill(std::span<const PrefillRun> runs, std::span<int32_t> sa
   or_unusable([&] {
     upload_params_if_dirty(0);
     for (const PrefillRun& run : runs) wait_for_copy(run.slot);
-    prefill_runner_->run(runs, std::span<const int32_t>(prefill_parities_.data(), runs.size()), sampled, logits,
-                         stream_);
+    if (prefill_runner_->run(runs, std::span<const int32_t>(prefill_parities_.data(), runs.size()), sampled,
+                             logits, stream_)) {
+      ++stats_.graph_replays;
+    }
   });
   // The slots as runs[i].tokens.size() steps would leave them: the sample is on the device
   // (last_token), and the state parity moved on by the run's length.

@@ -69,6 +69,7 @@ class CudaEngine final : public Engine, public CudaProfiling {
   const std::vector<int>& bucket_sizes() const override { return bucket_sizes_; }
   int bucket_for(int batch) const override { return graph_for_batch(batch).plan.batch; }
   bool graphs_enabled() const override { return use_graphs_; }
+  int prefill_graph_max_tokens() const override;
   const CudaPolicy& policy() const override { return policy_; }
   StepVariant step_variant(int batch) const override { return graph_for_batch(batch).plan.variant; }
   const std::vector<std::pair<StepVariant, float>>& step_variant_timings(int batch) const override {

@@ -33,7 +33,7 @@ std::string PrefillRunner::refusal(const ModelConfig& config, WeightDType type) 
 
 PrefillRunner::PrefillRunner(const ModelConfig& config, const DeviceWeights& weights, const StepBuffers& buffers,
                              const kernels::MimoStateLayout& layout, const CudaPolicy& policy, int max_runs,
-                             int max_tokens)
+                             int max_tokens, cudaStream_t stream)
     : config_(config),
       weights_(weights),
       buffers_(buffers),
@@ -130,44 +130,46 @@ PrefillRunner::PrefillRunner(const ModelConfig& config, const DeviceWeights& wei
     s.batch = b;
     sampling_.push_back(kernels::plan_sampling(s));
   }
+
+  // Every row bucket's cuBLASLt kernel loaded now rather than by the first call that needs
+  // it (several milliseconds each). The row buffers are zero, so they stay finite.
+  const DeviceLayer& l0 = weights.layers[0];
+  in_proj_->run_every_bucket(l0.in_proj, rows_.u, rows_.w, stream);
+  out_proj_->run_every_bucket(l0.out_proj, rows_.o, rows_.res, stream);
+  if (c.has_mlp()) {
+    fc1_->run_every_bucket(l0.fc1, rows_.u, rows_.fc1_out, stream);
+    fc2_->run_every_bucket(l0.fc2, rows_.mlp_act, rows_.res, stream);
+  }
+
+  // A graph for every length a lone run may have up to the policy's limit, each uploaded,
+  // so the first call of a length runs as fast as any later one.
+  const int graph_lengths = std::min(policy.prefill_graph_max_tokens, max_tokens_);
+  graphs_.resize(std::max(graph_lengths, 0));
+  for (int t = 1; t <= graph_lengths; ++t) {
+    const int32_t length = t;
+    int32_t token_begin[2], chunk_begin[2];
+    const int chunks =
+        kernels::fill_prefill_runs(std::span<const int32_t>(&length, 1), chunk_tokens_, token_begin, chunk_begin);
+    CudaGraph graph;
+    M3_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    try {
+      enqueue(1, t, chunks, stream);
+    } catch (...) {
+      CudaGraph broken;  // ends the capture; released on the way out
+      cudaStreamEndCapture(stream, broken.out());
+      throw;
+    }
+    M3_CUDA_CHECK(cudaStreamEndCapture(stream, graph.out()));
+    M3_CUDA_CHECK(cudaGraphInstantiate(graphs_[t - 1].out(), graph, 0));
+    M3_CUDA_CHECK(cudaGraphUpload(graphs_[t - 1], stream));
+  }
+  M3_CUDA_CHECK(cudaStreamSynchronize(stream));
 }
 
 PrefillRunner::~PrefillRunner() = default;
 
-void PrefillRunner::run(std::span<const PrefillRun> runs, std::span<const int32_t> parities,
-                        std::span<int32_t> sampled, std::span<float> logits, cudaStream_t stream) {
+void PrefillRunner::enqueue(int n, int tokens, int chunks, cudaStream_t stream) {
   const ModelConfig& c = config_;
-  const int n = static_cast<int>(runs.size());
-  if (n == 0) return;
-  if (n > max_runs_ || parities.size() != runs.size() || sampled.size() != runs.size()) {
-    throw std::invalid_argument("prefill: " + std::to_string(n) + " runs, " + std::to_string(parities.size()) +
-                                " parities and " + std::to_string(sampled.size()) + " sampled entries (at most " +
-                                std::to_string(max_runs_) + " runs)");
-  }
-
-  // The run table: slots, parities, token and chunk offsets, then every run's tokens.
-  int32_t* th = table_host_.as<int32_t>();
-  int tokens = 0;
-  for (int i = 0; i < n; ++i) {
-    const auto len = static_cast<int32_t>(runs[i].tokens.size());
-    if (len < 1 || tokens + len > max_tokens_) {
-      throw std::invalid_argument("prefill: run " + std::to_string(i) + " of " + std::to_string(len) +
-                                  " tokens after " + std::to_string(tokens) + " exceeds max_prefill_tokens " +
-                                  std::to_string(max_tokens_));
-    }
-    th[slot_at() + i] = runs[i].slot;
-    th[parity_at() + i] = parities[i];
-    th[last_token_at() + i] = runs[i].tokens.back();
-    lengths_[i] = len;
-    std::copy(runs[i].tokens.begin(), runs[i].tokens.end(), th + tokens_at() + tokens);
-    tokens += len;
-  }
-  const int chunks = kernels::fill_prefill_runs(std::span<const int32_t>(lengths_.data(), n), chunk_tokens_,
-                                                th + token_begin_at(), th + chunk_begin_at());
-  // The table's parts up to the last token in one copy (the host table is not touched
-  // again before this call has synchronised).
-  M3_CUDA_CHECK(cudaMemcpyAsync(table_.get(), th, sizeof(int32_t) * (tokens_at() + tokens), cudaMemcpyHostToDevice,
-                                stream));
   const int32_t* d = table_.as<int32_t>();
   kernels::PrefillRuns dev_runs;
   dev_runs.slot = d + slot_at();
@@ -231,6 +233,48 @@ void PrefillRunner::run(std::span<const PrefillRun> runs, std::span<const int32_
   // No programmatic dependent launch: sampling reads the counters before its wait.
   lm_head_[n - 1].launch(stream, false);
   sampling_[n - 1].launch(stream, false);
+}
+
+bool PrefillRunner::run(std::span<const PrefillRun> runs, std::span<const int32_t> parities,
+                        std::span<int32_t> sampled, std::span<float> logits, cudaStream_t stream) {
+  const ModelConfig& c = config_;
+  const int n = static_cast<int>(runs.size());
+  if (n == 0) return false;
+  if (n > max_runs_ || parities.size() != runs.size() || sampled.size() != runs.size()) {
+    throw std::invalid_argument("prefill: " + std::to_string(n) + " runs, " + std::to_string(parities.size()) +
+                                " parities and " + std::to_string(sampled.size()) + " sampled entries (at most " +
+                                std::to_string(max_runs_) + " runs)");
+  }
+
+  // The run table: slots, parities, token and chunk offsets, then every run's tokens.
+  int32_t* th = table_host_.as<int32_t>();
+  int tokens = 0;
+  for (int i = 0; i < n; ++i) {
+    const auto len = static_cast<int32_t>(runs[i].tokens.size());
+    if (len < 1 || tokens + len > max_tokens_) {
+      throw std::invalid_argument("prefill: run " + std::to_string(i) + " of " + std::to_string(len) +
+                                  " tokens after " + std::to_string(tokens) + " exceeds max_prefill_tokens " +
+                                  std::to_string(max_tokens_));
+    }
+    th[slot_at() + i] = runs[i].slot;
+    th[parity_at() + i] = parities[i];
+    th[last_token_at() + i] = runs[i].tokens.back();
+    lengths_[i] = len;
+    std::copy(runs[i].tokens.begin(), runs[i].tokens.end(), th + tokens_at() + tokens);
+    tokens += len;
+  }
+  const int chunks = kernels::fill_prefill_runs(std::span<const int32_t>(lengths_.data(), n), chunk_tokens_,
+                                                th + token_begin_at(), th + chunk_begin_at());
+  // The table's parts up to the last token in one copy (the host table is not touched
+  // again before this call has synchronised).
+  M3_CUDA_CHECK(cudaMemcpyAsync(table_.get(), th, sizeof(int32_t) * (tokens_at() + tokens), cudaMemcpyHostToDevice,
+                                stream));
+  const bool replay = n == 1 && tokens <= graph_max_tokens();
+  if (replay) {
+    M3_CUDA_CHECK(cudaGraphLaunch(graphs_[tokens - 1], stream));
+  } else {
+    enqueue(n, tokens, chunks, stream);
+  }
   if (!logits.empty()) {
     M3_CUDA_CHECK(cudaMemcpyAsync(logits.data(), buffers_.logits,
                                   sizeof(float) * static_cast<size_t>(n) * c.padded_vocab(), cudaMemcpyDeviceToHost,
@@ -239,6 +283,7 @@ void PrefillRunner::run(std::span<const PrefillRun> runs, std::span<const int32_
   M3_CUDA_CHECK(cudaStreamSynchronize(stream));
   const int32_t* sh = sampled_host_.as<int32_t>();
   std::copy(sh, sh + n, sampled.begin());
+  return replay;
 }
 
 }  // namespace m3::cuda

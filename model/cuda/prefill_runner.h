@@ -4,7 +4,9 @@
 // then norm_f + lm_head and sampling for each run's last token only, with the decode step's
 // own gemv and sampling kernels (planned here at load for every batch up to max_runs).
 // Everything (workspace, row buffers, cuBLASLt plans, the pinned run table) is sized at load
-// for max_tokens; a call allocates, chooses and plans nothing.
+// for max_tokens; a call allocates, chooses and plans nothing. A call of one run of at most
+// CudaPolicy::prefill_graph_max_tokens tokens replays a graph captured at load for its
+// length: the kernels read the run table from the device, so only the length is baked in.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -20,6 +22,7 @@
 #include "kernels/prefill_rows.cuh"
 #include "kernels/prefill_scan.cuh"
 #include "model/config.h"
+#include "model/cuda/cuda_handle.h"
 #include "model/cuda/device_buffer.h"
 #include "model/cuda/device_weights.h"
 #include "model/cuda/step_plan.h"
@@ -32,9 +35,11 @@ class PrefillRunner {
  public:
   // Throws std::invalid_argument naming the reason when the scan cannot run the model's
   // head shape. `weights` must outlive the runner; `buffers` (the decode step's state,
-  // logits, sampling parameters, counters and last tokens) are used in place.
+  // logits, sampling parameters, counters and last tokens) are used in place. The graphs
+  // are captured on `stream` (nothing else may be queued on it meanwhile).
   PrefillRunner(const ModelConfig& config, const DeviceWeights& weights, const StepBuffers& buffers,
-                const kernels::MimoStateLayout& layout, const CudaPolicy& policy, int max_runs, int max_tokens);
+                const kernels::MimoStateLayout& layout, const CudaPolicy& policy, int max_runs, int max_tokens,
+                cudaStream_t stream);
   ~PrefillRunner();
   PrefillRunner(const PrefillRunner&) = delete;
   PrefillRunner& operator=(const PrefillRunner&) = delete;
@@ -47,10 +52,18 @@ class PrefillRunner {
   // the host. Arguments checked by the caller (Engine::validate_prefill): at most max_runs
   // runs, max_tokens tokens together, distinct slots. The sampling parameters on the device
   // must be current.
-  void run(std::span<const PrefillRun> runs, std::span<const int32_t> parities, std::span<int32_t> sampled,
+  // True when the call replayed a captured graph.
+  bool run(std::span<const PrefillRun> runs, std::span<const int32_t> parities, std::span<int32_t> sampled,
            std::span<float> logits, cudaStream_t stream);
 
+  // Run lengths with a captured graph: 1 to graph_max_tokens() (0: none).
+  int graph_max_tokens() const { return static_cast<int>(graphs_.size()); }
+
  private:
+  // Every kernel of a call of n runs, `tokens` tokens and `chunks` chunks together, whose run
+  // table is on the device: what a graph captures.
+  void enqueue(int n, int tokens, int chunks, cudaStream_t stream);
+
   // Offsets (in int32) of the run table's parts, host and device alike.
   size_t slot_at() const { return 0; }
   size_t parity_at() const { return static_cast<size_t>(max_runs_); }
@@ -84,6 +97,8 @@ class PrefillRunner {
   std::unique_ptr<kernels::LtGemm> in_proj_, out_proj_, fc1_, fc2_;
   // lm_head (norm_f fused) and sampling at batch b: index b - 1.
   std::vector<kernels::KernelLaunch> lm_head_, sampling_;
+  // One run of t tokens: index t - 1.
+  std::vector<CudaGraphExec> graphs_;
 };
 
 }  // namespace m3::cuda

@@ -79,6 +79,9 @@ class CudaProfiling {
   // Bytes a step of `batch` sequences must move at least: weights read, state read and
   // written, embedding rows, logits written.
   virtual double floor_bytes(int batch) const = 0;
+  // Chunked prefill: lone runs of 1 to this many tokens replay a graph captured at load
+  // (0: none, or no chunked prefill).
+  virtual int prefill_graph_max_tokens() const = 0;
 };
 
 // `engine`'s profiling interface, or nullptr when it is not the CUDA engine.

@@ -28,6 +28,8 @@
 #include "model/weights.h"
 #if defined(M3_WITH_CUDA)
 #include <cuda_runtime.h>
+
+#include "model/cuda/profiling.h"
 #if defined(M3_BENCH_WITH_CUBLAS)
 #include <cublas_v2.h>
 #endif
@@ -42,9 +44,10 @@ constexpr const char* kUsage =
     "                       [--threads 0] [--json OUT] [--seed 1]\n"
     "  --len: prompt lengths in [1, 1048576]; --batch: prompts read together, in [1, 4096];\n"
     "  each (len, batch) is one prefill() call of len x batch tokens. --iters: 1 to 1000\n"
-    "  timed calls per case (median). --threads: CPU engine threads (0: all cores).\n"
-    "  The CUDA engine's policy flags (--cuda-prefill chunked reads with the chunked kernels;\n"
-    "  the default, steps, one decode step a token):\n";
+    "  timed calls per case (median), after a first call at that shape (first ms).\n"
+    "  --threads: CPU engine threads (0: all cores).\n"
+    "  The CUDA engine's policy flags (--cuda-prefill steps reads one decode step a token;\n"
+    "  auto, the default, the chunked kernels where they take the model):\n";
 
 struct Options {
   std::string config;
@@ -242,6 +245,7 @@ MatrixRate cuda_matrix_rate(bool bf16) {
 struct Row {
   int len = 0, batch = 0;
   double prefill_s = 0, step_s = 0, flops = 0, bytes = 0, floor_s = 0;
+  double first_s = 0;  // the first call at this length and batch (the warm-up, left out of the median)
   const char* floor_kind = "";
 };
 
@@ -285,13 +289,17 @@ int run(const Options& o) {
   eo.cpu_threads = o.threads;
   eo.max_prefill_tokens = static_cast<int>(max_tokens);
   eo.cuda = o.cuda;
+  const auto load_start = std::chrono::steady_clock::now();
   auto engine = make_engine(backend, weights, eo);
+  const double load_s = seconds_since(load_start);  // with the prefill graphs it captures
 
   MatrixRate rate;
   double bandwidth = 0;
   std::string device = "cpu";
+  int graph_tokens = 0;  // lone runs up to this many tokens replay a graph
 #if defined(M3_WITH_CUDA)
   if (engine->backend() == "cuda") {
+    graph_tokens = cuda::cuda_profiling(*engine)->prefill_graph_max_tokens();
     rate = cuda_matrix_rate(bf16);
     bandwidth = cuda_copy_bandwidth();
     cudaDeviceProp prop{};
@@ -330,16 +338,23 @@ int run(const Options& o) {
       std::vector<PrefillRun> runs;
       for (int i = 0; i < b; ++i) runs.push_back({i, prompts[i]});
       std::vector<double> s;
+      double first_s = 0;
       for (int i = 0; i <= o.iters; ++i) {  // the first call warms up
         for (int k = 0; k < b; ++k) engine->reset(k);
         const auto t0 = std::chrono::steady_clock::now();
         engine->prefill(runs, sampled);
-        if (i > 0) s.push_back(seconds_since(t0));
+        const double took = seconds_since(t0);
+        if (i == 0) {
+          first_s = took;
+        } else {
+          s.push_back(took);
+        }
       }
       Row r;
       r.len = len;
       r.batch = b;
       r.prefill_s = median(s);
+      r.first_s = first_s;
       r.step_s = step;
       r.flops = gemm_flops(cfg, double{1.0} * len * b, b);
       r.bytes = floor_bytes(cfg, bf16 ? 2.0 : 4.0, b);
@@ -351,15 +366,16 @@ int run(const Options& o) {
     }
   }
 
-  std::printf("m3bench prefill: %s, backend %s (%s), %s weights; matrix rate %.3g TFLOP/s (%s), copy "
-              "bandwidth %.0f GB/s\n",
-              o.config.c_str(), std::string(engine->backend()).c_str(), device.c_str(),
-              bf16 ? "bf16" : "fp32", rate.flops_per_s / 1e12, rate.how.c_str(), bandwidth / 1e9);
-  std::printf("%7s %6s %12s %14s %12s %13s %11s %9s %6s\n", "len", "batch", "ms/prefill", "tokens/s",
-              "step ms", "vs stepping", "floor ms", "vs floor", "bound");
+  std::printf("m3bench prefill: %s, backend %s (%s), %s weights, engine loaded in %.2f s (graphs for lone runs "
+              "up to %d tokens); matrix rate %.3g TFLOP/s (%s), copy bandwidth %.0f GB/s\n",
+              o.config.c_str(), std::string(engine->backend()).c_str(), device.c_str(), bf16 ? "bf16" : "fp32",
+              load_s, graph_tokens, rate.flops_per_s / 1e12, rate.how.c_str(), bandwidth / 1e9);
+  std::printf("%7s %6s %12s %10s %14s %12s %13s %11s %9s %6s\n", "len", "batch", "ms/prefill", "first ms",
+              "tokens/s", "step ms", "vs stepping", "floor ms", "vs floor", "bound");
   for (const Row& r : rows) {
-    std::printf("%7d %6d %12.3f %14.0f %12.3f %13.3f %11.3f %9.2f %6s\n", r.len, r.batch, r.prefill_s * 1e3,
-                r.len * r.batch / r.prefill_s, r.step_s * 1e3, r.prefill_s / (r.step_s * r.len), r.floor_s * 1e3,
+    std::printf("%7d %6d %12.3f %10.3f %14.0f %12.3f %13.3f %11.3f %9.2f %6s\n", r.len, r.batch,
+                r.prefill_s * 1e3, r.first_s * 1e3, r.len * r.batch / r.prefill_s, r.step_s * 1e3,
+                r.prefill_s / (r.step_s * r.len), r.floor_s * 1e3,
                 r.prefill_s / r.floor_s, r.floor_kind);
   }
   if (!o.json.empty()) {
@@ -369,6 +385,8 @@ int run(const Options& o) {
     j["device"] = device;
     j["dtype"] = bf16 ? "bf16" : "fp32";
     j["iters"] = o.iters;
+    j["engine_load_s"] = load_s;
+    j["prefill_graph_max_tokens"] = graph_tokens;
     j["cuda_policy"] = to_string(o.cuda);
     j["prefill_path"] = engine->has_prefill_path() ? "engine's own" : "decode steps";
     j["matrix_flops_per_s"] = rate.flops_per_s;
@@ -379,6 +397,7 @@ int run(const Options& o) {
       j["results"].push_back({{"len", r.len},
                               {"batch", r.batch},
                               {"prefill_ms", r.prefill_s * 1e3},
+                              {"first_call_ms", r.first_s * 1e3},
                               {"prompt_tokens_per_s", r.len * r.batch / r.prefill_s},
                               {"decode_step_ms", r.step_s * 1e3},
                               {"ratio_to_stepping", r.prefill_s / (r.step_s * r.len)},

@@ -58,7 +58,7 @@ TEST(BenchPrefill, MeasuresEveryLengthAndBatchOnTheCpu) {
       const auto& row = j["results"][i++];
       EXPECT_EQ(row["len"], len);
       EXPECT_EQ(row["batch"], batch);
-      for (const char* key : {"prefill_ms", "prompt_tokens_per_s", "decode_step_ms", "ratio_to_stepping",
+      for (const char* key : {"prefill_ms", "first_call_ms", "prompt_tokens_per_s", "decode_step_ms", "ratio_to_stepping",
                               "gemm_flops", "floor_bytes", "floor_ms", "ratio_to_floor"}) {
         EXPECT_GT(row[key].get<double>(), 0) << key << " of row " << i;
       }

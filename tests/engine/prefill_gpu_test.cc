@@ -8,6 +8,8 @@
 // near tie does not cascade). Skips without a CUDA device.
 #include <gtest/gtest.h>
 
+#include <array>
+#include <cstddef>
 #include <memory>
 #include <string>
 #include <tuple>
@@ -199,6 +201,74 @@ TEST(CudaPrefillLoad, ChunkedRefusesAShapeItCannotRun) {
     EXPECT_NE(std::string(e.what()).find("cuda.prefill: chunked cannot run this model"), std::string::npos)
         << e.what();
     EXPECT_NE(std::string(e.what()).find("headdim"), std::string::npos) << e.what();
+  }
+}
+
+// A lone run of up to cuda.prefill_graph_max_tokens tokens replays the graph captured at
+// load for its length; the graph holds the very launches a call makes without it, so the
+// logits, the samples and the state it leaves (read back whole) are the same bit for bit,
+// in a first piece and in a later one that continues the slot's state. A run past the
+// limit, or two runs in one call, are launched kernel by kernel.
+TEST(CudaPrefillGraphs, ReplayLeavesWhatTheLaunchesLeaveBitForBit) {
+  if (!cuda_backend_available()) GTEST_SKIP() << "no CUDA device (or a build without CUDA)";
+  ModelConfig config = testing::small_config();
+  config.ssm.d_state = 64;  // the register-fragment chunk kernels
+  config.d_intermediate = 100;
+  ScratchDir dir("gpu_prefill_graphs");
+  write_random_model(config, 3, DType::BF16, dir.path());
+  const ModelWeights weights = ModelWeights::load(dir.path());
+  auto engine = [&](int graph_tokens) {
+    EngineOptions o;
+    o.max_slots = 4;
+    o.weight_dtype = WeightDType::BF16;
+    o.max_prefill_tokens = 256;
+    o.deterministic = true;
+    o.cuda.prefill = PrefillPath::Chunked;
+    o.cuda.prefill_graph_max_tokens = graph_tokens;
+    return make_engine("cuda", weights, o);
+  };
+  auto graphed = engine(64), launched = engine(0);
+  const size_t V = static_cast<size_t>(config.padded_vocab());
+  const std::vector<int32_t> prompt = testing::random_tokens(200, config.vocab_size, 17);
+  SamplingParams sampling;
+  sampling.temperature = 1.0f;
+  sampling.seed = 9;
+  for (Engine* e : {graphed.get(), launched.get()}) {
+    for (int slot = 0; slot < 4; ++slot) e->set_sampling(slot, sampling);
+  }
+  // (slot, first token, length): lone runs at the graphs' edges, a later piece of slot 0,
+  // a run past the limit, and two runs in one call.
+  struct Call {
+    std::vector<std::array<int, 3>> runs;
+    bool replays;
+  };
+  const std::vector<Call> calls = {{{{0, 0, 1}}, true},    {{{1, 1, 31}}, true},  {{{2, 2, 33}}, true},
+                                   {{{3, 3, 64}}, true},   {{{0, 1, 64}}, true},  {{{1, 40, 65}}, false},
+                                   {{{2, 50, 7}, {3, 70, 9}}, false}};
+  uint64_t replays = 0;
+  for (const Call& call : calls) {
+    std::vector<PrefillRun> runs;
+    for (const auto& [slot, first, length] : call.runs) {
+      runs.push_back({slot, std::span<const int32_t>(prompt).subspan(static_cast<size_t>(first),
+                                                                     static_cast<size_t>(length))});
+    }
+    SCOPED_TRACE("slot " + std::to_string(runs[0].slot) + ", " + std::to_string(runs[0].tokens.size()) +
+                 " tokens, " + std::to_string(runs.size()) + " runs");
+    std::vector<int32_t> sampled_g(runs.size()), sampled_l(runs.size());
+    std::vector<float> logits_g(runs.size() * V), logits_l(runs.size() * V);
+    graphed->prefill(runs, sampled_g, logits_g);
+    launched->prefill(runs, sampled_l, logits_l);
+    replays += call.replays ? 1 : 0;
+    EXPECT_EQ(graphed->stats().graph_replays, replays);
+    EXPECT_EQ(launched->stats().graph_replays, 0u);
+    EXPECT_EQ(sampled_g, sampled_l);
+    ASSERT_EQ(logits_g, logits_l);
+    for (const PrefillRun& run : runs) {
+      std::vector<std::byte> state_g(graphed->slot_state_bytes()), state_l(launched->slot_state_bytes());
+      graphed->save_slot(run.slot, state_g);
+      launched->save_slot(run.slot, state_l);
+      ASSERT_EQ(state_g, state_l) << "slot " << run.slot << "'s state";
+    }
   }
 }
 
