@@ -102,7 +102,7 @@ CudaEngine::CudaEngine(const ModelWeights& weights, const EngineOptions& options
   }
   policy_.validate();
   if (options.deterministic) policy_.step_variants.out_proj_fused = Tuned::Off;  // the fused out_proj adds with atomics
-  if (!options.use_graphs) policy_.prefill_graph_max_tokens = 0;  // graphs off means every graph
+  if (!options.use_graphs) policy_.prefill_graph_max_tokens = 0;  // no graphs at all, the prefill's neither
   const int devices = cuda_device_count();
   if (device_ < 0 || device_ >= devices) {
     throw std::runtime_error("cuda engine: device " + std::to_string(device_) + " requested, " +

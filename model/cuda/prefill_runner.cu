@@ -7,6 +7,7 @@
 #include "kernels/common.cuh"
 #include "kernels/gemv.cuh"
 #include "kernels/sampling.cuh"
+#include "model/cuda/graph_capture.h"
 
 namespace m3::cuda {
 namespace {
@@ -144,24 +145,14 @@ PrefillRunner::PrefillRunner(const ModelConfig& config, const DeviceWeights& wei
   // A graph for every length a lone run may have up to the policy's limit, each uploaded,
   // so the first call of a length runs as fast as any later one.
   const int graph_lengths = std::min(policy.prefill_graph_max_tokens, max_tokens_);
-  graphs_.resize(std::max(graph_lengths, 0));
+  graphs_.resize(graph_lengths);
   for (int t = 1; t <= graph_lengths; ++t) {
     const int32_t length = t;
     int32_t token_begin[2], chunk_begin[2];
     const int chunks =
         kernels::fill_prefill_runs(std::span<const int32_t>(&length, 1), chunk_tokens_, token_begin, chunk_begin);
-    CudaGraph graph;
-    M3_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-    try {
-      enqueue(1, t, chunks, stream);
-    } catch (...) {
-      CudaGraph broken;  // ends the capture; released on the way out
-      cudaStreamEndCapture(stream, broken.out());
-      throw;
-    }
-    M3_CUDA_CHECK(cudaStreamEndCapture(stream, graph.out()));
-    M3_CUDA_CHECK(cudaGraphInstantiate(graphs_[t - 1].out(), graph, 0));
-    M3_CUDA_CHECK(cudaGraphUpload(graphs_[t - 1], stream));
+    CudaGraph graph;  // needed only until instantiated
+    capture_graph(stream, [&] { enqueue(1, t, chunks, stream); }, graph, graphs_[t - 1]);
   }
   M3_CUDA_CHECK(cudaStreamSynchronize(stream));
 }

@@ -1,5 +1,7 @@
 #include "model/cuda/step_graph.h"
 
+#include "model/cuda/graph_capture.h"
+
 namespace m3::cuda {
 
 StepLauncher::StepLauncher(cudaStream_t stream, bool pdl) : stream_(stream), pdl_(pdl) {
@@ -29,17 +31,7 @@ void StepLauncher::launch(const StepPlan& g) {
 }
 
 void StepLauncher::capture(StepGraph& g) {
-  M3_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
-  try {
-    launch(g.plan);
-  } catch (...) {
-    CudaGraph broken;  // ends the capture; released on the way out
-    cudaStreamEndCapture(stream_, broken.out());
-    throw;
-  }
-  M3_CUDA_CHECK(cudaStreamEndCapture(stream_, g.graph.out()));
-  M3_CUDA_CHECK(cudaGraphInstantiate(g.exec.out(), g.graph, 0));
-  M3_CUDA_CHECK(cudaGraphUpload(g.exec, stream_));
+  capture_graph(stream_, [&] { launch(g.plan); }, g.graph, g.exec);
 }
 
 void StepLauncher::run(const StepGraph& g, bool use_graph) {
