@@ -1,5 +1,5 @@
 // What the chunk kernels of the prefill scan share (kernels/prefill_scan.cu and
-// kernels/prefill_chunk_tc.cu): their parameters, where a chunk's tokens are, the
+// kernels/prefill_chunk_*_tc.cu): their parameters, where a chunk's tokens are, the
 // per-token decay terms of a chunk, and the rotated entries of k and q. Internal to the
 // prefill scan; the interface is kernels/prefill_scan.cuh.
 #pragma once

@@ -8,7 +8,7 @@
 
 namespace m3::kernels::prefill_detail {
 
-// The chunk state and chunk output kernels on register fragments (kernels/prefill_chunk_tc.cu):
+// The chunk state and chunk output kernels on register fragments (kernels/prefill_chunk_*_tc.cu):
 // for bf16 operands, MIMO heads, d_state a multiple of 32, rank 1, 2, 4 or 8, an even number
 // of angles, in_proj rows and x/z offsets a multiple of four floats, 16-byte aligned
 // parameters and a shared-memory plan under kMaxSharedBytesPerBlock; the general kernels

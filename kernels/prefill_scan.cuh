@@ -27,7 +27,7 @@
 //   5. chunk output (per chunk, head): y = exp(L) .* (Q S~^T) + ((Q K^T) .* M) Xv + D Xv on
 //      tensor cores, then the gate, the optional grouped RMSNorm and mimo_o into o; the
 //      run's last chunk writes k_prev (parity (p + T) & 1) and x_prev.
-// Kernels 3 and 5 run in their register-fragment forms (kernels/prefill_chunk_tc.cu) for
+// Kernels 3 and 5 run in their register-fragment forms (kernels/prefill_chunk_*_tc.cu) for
 // bf16 operands, MIMO heads and d_state a multiple of 32; the forms here take every shape.
 // Only kernel 4 reads ssm/x_prev/k_prev and only kernel 5 writes k_prev/x_prev, so runs of
 // even length (old and new parity the same buffer) are safe: stream order separates them.

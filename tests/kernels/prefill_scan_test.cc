@@ -301,6 +301,12 @@ TEST(PrefillScanHost, RegisterFragmentKernelsTakeTheS2sHeadWithinTheSharedMemory
   const PrefillScanDims s2s{28, 64, 128, 4, 32, ScanPrecision::Bf16TensorCores};
   EXPECT_LE(kernels::prefill_detail::chunk_tc_smem_bytes(s2s, true), static_cast<int>(kernels::kMaxSharedBytesPerBlock));
   EXPECT_LE(kernels::prefill_detail::chunk_tc_smem_bytes(s2s, false), static_cast<int>(kernels::kMaxSharedBytesPerBlock));
+  // Every pair rotated (rope_fraction 1.0): the output kernel's fp16 rotation tables lie
+  // under its Xv, so the plan grows no larger.
+  const PrefillScanDims full_rope{28, 64, 128, 4, 64, ScanPrecision::Bf16TensorCores};
+  EXPECT_EQ(kernels::prefill_detail::chunk_tc_smem_bytes(full_rope, true),
+            kernels::prefill_detail::chunk_tc_smem_bytes(s2s, true));
+  EXPECT_LE(kernels::prefill_detail::chunk_tc_smem_bytes(full_rope, false), static_cast<int>(kernels::kMaxSharedBytesPerBlock));
   const auto* aligned = reinterpret_cast<const float*>(uintptr_t{1} << 20);  // never dereferenced
   kernels::PrefillScanArgs a;
   a.dims = s2s;

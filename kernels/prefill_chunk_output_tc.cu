@@ -1,0 +1,512 @@
+// The chunk output kernel of the prefill scan (kernel 5 of kernels/prefill_scan.cuh) on
+// register fragments, for bf16-weight engines, MIMO heads and d_state a multiple of 32:
+//     y = exp(L) .* (Q S~^T) + ((Q K^T) .* M) Xv + D Xv
+// then the gate, the optional grouped RMSNorm and mimo_o into o, for one (chunk, head) a
+// block of eight warps, each warp 16 (token, rank) rows.
+//
+// What a block does, in order:
+//   1. copies most of what it reads into shared memory with one batch of cp.async (the
+//      chunk's normed B rows in fp16, its x and z rows, the mimo vectors) while its lanes
+//      load their normed C rows (fp16) straight into A-fragment registers and the angles'
+//      cos and sin and both biases into fp16 tables; S~, the state pass's, is copied after
+//      the wait for that kernel;
+//   2. rotates k in place and q in its registers in fp16 pair arithmetic (two entries an
+//      instruction): Q K^T runs on fp16 operands (2^-11 relative, finer than bf16's 2^-8);
+//      meanwhile the mask M[t][s] becomes a table (tokens x tokens, at most 32 tokens a
+//      chunk);
+//   3. builds Xv = x .* mimo_x in bf16 over the dead tables, read by ldmatrix.trans as the
+//      right operand of G Xv, while the warps compute Q S~^T (q converted to bf16 a fragment
+//      at a time, S~ being bf16);
+//   4. each warp walks the 16-column tiles of G up to the diagonal: Q K^T, times M, packed to
+//      bf16 in place (two m16n8 accumulator tiles side by side are one A fragment), times Xv.
+// Why: the rotations and the Xv and mask work had been per element in fp32 inside the loop
+// over G's tiles, several instructions an entry; the tables and the fp16 pairs take most of
+// that work out of the loop and halve what is left.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+
+#include "kernels/prefill_chunk_tc.cuh"
+
+namespace m3::kernels::prefill_detail::tc {
+namespace {
+
+// Where the output kernel's areas lie in its dynamic shared memory (byte offsets), sized from
+// the head shape: tokens = kRows / R rows of x, z and angles. The fp16 tables of the
+// rotations are dead once q and k are rotated; Xv is built over them.
+struct OutputSmem {
+  int k = 0, s = 0, x = 0, z = 0;
+  int cos = 0, sin = 0, bias16 = 0;  // the rotations' tables (biases: B's, then C's)
+  int xv = 0;                        // over the rotations' tables
+  int mx = 0, mz = 0, mo = 0, onorm = 0, mask = 0, terms = 0;
+  int ldx = 0;   // floats between rows of x and z
+  int ldr = 0;   // halves between rows of the cos and sin tables: the angles rounded up to 8
+  int ldxv = 0;  // bf16 between rows of Xv
+  int ldm = 0;   // floats between rows of the mask table (0: no table)
+  int bytes = 0;
+};
+
+bool mask_table(int rank) { return kRows / rank <= 32; }
+
+OutputSmem output_smem(const PrefillScanDims& d) {
+  const int tokens = kRows / d.rank, P = d.headdim, R = d.rank, N = d.d_state, S = d.n_angles;
+  OutputSmem m;
+  m.ldx = P + 8;  // 8 words past a multiple of 32 for P a multiple of 16: the Xv reads spread over the banks
+  m.ldr = (S + 7) & ~7;
+  m.ldxv = P + 8;  // rows 4 words apart modulo 32: ldmatrix reads are free of bank conflicts
+  m.ldm = mask_table(R) ? tokens + 1 : 0;
+  SmemPlan plan;
+  m.k = plan.take(2 * kRows * kLdK);
+  m.s = plan.take(2 * P * kLdS);
+  m.x = plan.take(4 * tokens * m.ldx);
+  m.z = plan.take(4 * tokens * m.ldx);
+  SmemPlan rotation;
+  const int cos = rotation.take(2 * tokens * m.ldr), sin = rotation.take(2 * tokens * m.ldr);
+  const int bias16 = rotation.take(2 * 2 * R * N);
+  m.xv = plan.take(std::max(rotation.bytes(), 2 * kRows * m.ldxv));
+  m.cos = m.xv + cos;
+  m.sin = m.xv + sin;
+  m.bias16 = m.xv + bias16;
+  m.mx = plan.take(4 * R * P);
+  m.mz = plan.take(4 * R * P);
+  m.mo = plan.take(4 * R * P);
+  m.onorm = plan.take(4 * P);
+  if (m.ldm > 0) m.mask = plan.take(4 * tokens * m.ldm);
+  m.terms = plan.take(4 * 3 * tokens);
+  m.bytes = plan.bytes();
+  return m;
+}
+
+// The rows and vectors the block of (chunk cp, head h) reads, into shared memory by
+// cp.async (one commit group).
+__device__ __forceinline__ void stage_chunk(const PrefillScanArgs& a, const OutputSmem& sm, const ChunkPlace& cp, int h,
+                                            unsigned char* base) {
+  const int P = a.dims.headdim, N = a.dims.d_state, R = a.dims.rank;
+  const int tokens = kRows / R;
+  const int64_t row_floats = a.w_stride;
+  copy_rows(base + sm.k, 2 * kLdK, a.ws.b_norm_h + (int64_t)cp.first * R * N, 2 * N, kRows, cp.len * R, 2 * N);
+  copy_rows(base + sm.x, 4 * sm.ldx, a.w + cp.first * row_floats + a.off_x + h * P, 4 * row_floats, tokens, cp.len,
+            4 * P);
+  copy_rows(base + sm.z, 4 * sm.ldx, a.w + cp.first * row_floats + a.off_z + h * P, 4 * row_floats, tokens, cp.len,
+            4 * P);
+  copy_rows(base + sm.mx, 0, a.mimo_x + (int64_t)h * R * P, 0, 1, 1, 4 * R * P);
+  copy_rows(base + sm.mz, 0, a.mimo_z + (int64_t)h * R * P, 0, 1, 1, 4 * R * P);
+  copy_rows(base + sm.mo, 0, a.mimo_o + (int64_t)h * R * P, 0, 1, 1, 4 * R * P);
+  if (a.out_norm != nullptr) copy_rows(base + sm.onorm, 0, a.out_norm + h * P, 0, 1, 1, 4 * P);
+  cp_async_commit();
+}
+
+__device__ __forceinline__ uint32_t half2_bits(__half2 v) { return *reinterpret_cast<uint32_t*>(&v); }
+__device__ __forceinline__ __half2 bits_half2(uint32_t v) { return *reinterpret_cast<__half2*>(&v); }
+
+// The fp16 tables of the rotations, from global memory: cos and sin of each token's angles
+// in pairs (angles past S up to ldr the identity, tokens past the chunk's zeros) and both
+// biases. Every load of a thread is issued before its first store, so the block waits on
+// one round trip for them, beside its cp.async copies.
+template <int kTokens, int kN>
+__device__ __forceinline__ void load_rotation_tables(const PrefillScanArgs& a, const ChunkPlace& cp, int h,
+                                                     unsigned char* base, const OutputSmem& sm) {
+  constexpr int kMaxAngles = kTokens * kN / 4, kMaxBias = 2 * 8 * kN / 4;  // pairs of angles; float4 of biases (R <= 8)
+  constexpr int kAngleLoads = (kMaxAngles + kThreads - 1) / kThreads, kBiasLoads = (kMaxBias + kThreads - 1) / kThreads;
+  const int H = a.dims.heads, S = a.dims.n_angles, RN = a.dims.rank * kN;
+  const int pairs = sm.ldr / 2, angle_tasks = kTokens * pairs, bias_tasks = 2 * RN / 4;
+  float4 ang[kAngleLoads], bias[kBiasLoads];
+#pragma unroll
+  for (int i = 0; i < kAngleLoads; ++i) {
+    const int idx = threadIdx.x + i * kThreads;
+    const int t = idx / max(pairs, 1), j = 2 * (idx - t * pairs);
+    ang[i] = make_float4(1.f, 0.f, 1.f, 0.f);  // cos_j, sin_j, cos_j+1, sin_j+1
+    if (idx < angle_tasks && t >= cp.len) ang[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (idx < angle_tasks && t < cp.len && j < S) {
+      ang[i] = __ldg(reinterpret_cast<const float4*>(a.ws.rot + ((int64_t)(cp.first + t) * H + h) * S + j));
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < kBiasLoads; ++i) {
+    const int idx = threadIdx.x + i * kThreads;
+    if (idx < bias_tasks) {
+      const float* src = idx < RN / 4 ? a.B_bias + (int64_t)h * RN + 4 * idx : a.C_bias + (int64_t)h * RN + 4 * idx - RN;
+      bias[i] = __ldg(reinterpret_cast<const float4*>(src));
+    }
+  }
+  uint32_t* cs = reinterpret_cast<uint32_t*>(base + sm.cos);
+  uint32_t* sn = reinterpret_cast<uint32_t*>(base + sm.sin);
+#pragma unroll
+  for (int i = 0; i < kAngleLoads; ++i) {
+    const int idx = threadIdx.x + i * kThreads;
+    if (idx < angle_tasks) {
+      cs[idx] = half2_bits(__floats2half2_rn(ang[i].x, ang[i].z));
+      sn[idx] = half2_bits(__floats2half2_rn(ang[i].y, ang[i].w));
+    }
+  }
+  uint2* b16 = reinterpret_cast<uint2*>(base + sm.bias16);
+#pragma unroll
+  for (int i = 0; i < kBiasLoads; ++i) {
+    const int idx = threadIdx.x + i * kThreads;
+    if (idx < bias_tasks) {
+      b16[idx] = make_uint2(half2_bits(__floats2half2_rn(bias[i].x, bias[i].y)),
+                            half2_bits(__floats2half2_rn(bias[i].z, bias[i].w)));
+    }
+  }
+}
+
+// M[t][s]: gamma_t on the diagonal, exp(L_t - L_s) u_s below it, zeros above it and past the
+// chunk's tokens.
+__device__ __forceinline__ void build_mask_table(unsigned char* base, const OutputSmem& sm, int tokens, int len) {
+  const float* L = reinterpret_cast<const float*>(base + sm.terms);
+  const float *gam = L + tokens, *u = gam + tokens;
+  float* mask = reinterpret_cast<float*>(base + sm.mask);
+  for (int idx = threadIdx.x; idx < tokens * tokens; idx += kThreads) {
+    const int t = idx / tokens, s = idx - t * tokens;
+    float v = 0.f;
+    if (t < len && s <= t) v = s == t ? gam[t] : expf(L[t] - L[s]) * u[s];
+    mask[t * sm.ldm + s] = v;
+  }
+}
+
+// (x0, x1) rotated by (c, s), two pairs at once.
+__device__ __forceinline__ void rotate_h2(__half2 x0, __half2 x1, __half2 c, __half2 s, __half2& v0, __half2& v1) {
+  v0 = __hfma2(x0, c, __hneg2(__hmul2(x1, s)));
+  v1 = __hfma2(x0, s, __hmul2(x1, c));
+}
+
+// The staged normed B rows (fp16) become k in place: bias added, rotated, fp16; rows past m
+// zeros. A thread takes eight adjacent entries of a row and their partners N/2 on.
+template <int kH2, int kR>
+__device__ __forceinline__ void rotate_k_in_place(unsigned char* base, const OutputSmem& sm, int m) {
+  constexpr int kN = kH2 * 32, kHalf = kN / 2, kOctets = kHalf / 8;
+  __half* kh = reinterpret_cast<__half*>(base + sm.k);
+  const __half* bias = reinterpret_cast<const __half*>(base + sm.bias16);
+  const __half* cs = reinterpret_cast<const __half*>(base + sm.cos);
+  const __half* sn = reinterpret_cast<const __half*>(base + sm.sin);
+  for (int idx = threadIdx.x; idx < kRows * kOctets; idx += kThreads) {
+    const int row = idx / kOctets, n0 = 8 * (idx - row * kOctets);
+    uint4* lo = reinterpret_cast<uint4*>(kh + row * kLdK + n0);
+    uint4* hi = reinterpret_cast<uint4*>(kh + row * kLdK + n0 + kHalf);
+    if (row >= m) {
+      *lo = make_uint4(0u, 0u, 0u, 0u);
+      *hi = make_uint4(0u, 0u, 0u, 0u);
+      continue;
+    }
+    const int t = row / kR, r = row % kR;
+    uint4 a = *lo, b = *hi;
+    const uint4 ba = *reinterpret_cast<const uint4*>(bias + r * kN + n0);
+    const uint4 bb = *reinterpret_cast<const uint4*>(bias + r * kN + n0 + kHalf);
+    uint32_t* aw = &a.x;
+    uint32_t* bw = &b.x;
+    const uint32_t* baw = &ba.x;
+    const uint32_t* bbw = &bb.x;
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      aw[q] = half2_bits(__hadd2(bits_half2(aw[q]), bits_half2(baw[q])));
+      bw[q] = half2_bits(__hadd2(bits_half2(bw[q]), bits_half2(bbw[q])));
+    }
+    if (n0 < sm.ldr) {
+      const uint4 c4 = *reinterpret_cast<const uint4*>(cs + t * sm.ldr + n0);
+      const uint4 s4 = *reinterpret_cast<const uint4*>(sn + t * sm.ldr + n0);
+      const uint32_t* cw = &c4.x;
+      const uint32_t* sw = &s4.x;
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        __half2 v0, v1;
+        rotate_h2(bits_half2(aw[q]), bits_half2(bw[q]), bits_half2(cw[q]), bits_half2(sw[q]), v0, v1);
+        aw[q] = half2_bits(v0);
+        bw[q] = half2_bits(v1);
+      }
+    }
+    *lo = a;
+    *hi = b;
+  }
+}
+
+// The row's q entries after bias and rotation, in place, as fp16 pairs; zeros when !valid.
+template <int kH2>
+__device__ __forceinline__ void rotate_q_row(uint32_t (&raw)[2][kH2][2], const __half* bias, const __half* cs,
+                                             const __half* sn, int ldr, int c, bool valid) {
+  constexpr int kHalf = kH2 * 16;
+#pragma unroll
+  for (int kt = 0; kt < kH2; ++kt) {
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      const int n = kt * 16 + 2 * c + 8 * hf;
+      __half2 x0 = __hadd2(bits_half2(raw[0][kt][hf]), *reinterpret_cast<const __half2*>(bias + n));
+      __half2 x1 = __hadd2(bits_half2(raw[1][kt][hf]), *reinterpret_cast<const __half2*>(bias + n + kHalf));
+      if (n < ldr) {
+        __half2 v0, v1;
+        rotate_h2(x0, x1, *reinterpret_cast<const __half2*>(cs + n), *reinterpret_cast<const __half2*>(sn + n), v0,
+                  v1);
+        x0 = v0;
+        x1 = v1;
+      }
+      raw[0][kt][hf] = valid ? half2_bits(x0) : 0u;
+      raw[1][kt][hf] = valid ? half2_bits(x1) : 0u;
+    }
+  }
+}
+
+// Xv [rows][p] = x_t[p] mimo_x[r][p] in bf16 (rows past the chunk's tokens zeros, as their
+// staged x rows are), four entries a thread at a time.
+template <int kR>
+__device__ __forceinline__ void build_xv(unsigned char* base, const OutputSmem& sm, int P) {
+  const float* xs = reinterpret_cast<const float*>(base + sm.x);
+  const float* mxs = reinterpret_cast<const float*>(base + sm.mx);
+  __nv_bfloat16* xv = reinterpret_cast<__nv_bfloat16*>(base + sm.xv);
+  const int quads = P / 4;
+  for (int idx = threadIdx.x; idx < kRows * quads; idx += kThreads) {
+    const int j = idx / quads, p = 4 * (idx - j * quads);
+    const int t = j / kR, r = j % kR;
+    const float4 x = *reinterpret_cast<const float4*>(xs + t * sm.ldx + p);
+    const float4 w = *reinterpret_cast<const float4*>(mxs + r * P + p);
+    *reinterpret_cast<uint2*>(xv + j * sm.ldxv + p) = make_uint2(pack_bf16(x.x * w.x, x.y * w.y), pack_bf16(x.z * w.z, x.w * w.w));
+  }
+}
+
+template <int kH2, int kR>
+__global__ void __launch_bounds__(kThreads, 2) prefill_chunk_output_tc_kernel(const ScanParams prm, const OutputSmem sm) {
+  constexpr int kN = kH2 * 32, R = kR, kTokens = kRows / kR;
+  constexpr bool kMaskTable = kTokens <= 32;
+  const PrefillScanArgs& a = prm.a;
+  const int c = blockIdx.x, h = blockIdx.y;
+  const int H = a.dims.heads, P = a.dims.headdim;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, cq = lane & 3;
+  extern __shared__ float4 smem4[];
+  unsigned char* base = reinterpret_cast<unsigned char*>(smem4);
+  const __half* ks = reinterpret_cast<const __half*>(base + sm.k);                // [rows][kLdK]
+  __nv_bfloat16* ss = reinterpret_cast<__nv_bfloat16*>(base + sm.s);              // [P][kLdS]
+  const __nv_bfloat16* xv = reinterpret_cast<const __nv_bfloat16*>(base + sm.xv);  // [rows][ldxv]
+  const float* xs = reinterpret_cast<const float*>(base + sm.x);                  // [tokens][ldx]
+  const float* zs = reinterpret_cast<const float*>(base + sm.z);
+  const float* mxs = reinterpret_cast<const float*>(base + sm.mx);                // [R][P]
+  const float* mzs = reinterpret_cast<const float*>(base + sm.mz);
+  const float* mos = reinterpret_cast<const float*>(base + sm.mo);
+  const float* mask = reinterpret_cast<const float*>(base + sm.mask);             // [tokens][ldm]
+  float* L = reinterpret_cast<float*>(base + sm.terms);
+  const float* gam = L + kTokens;
+  const float* u = gam + kTokens;
+
+  const ChunkPlace cp = chunk_place(a, c, kTokens);
+  const int m = cp.len * R;
+  stage_chunk(a, sm, cp, h, base);
+
+  // This warp's rows: row0 + g and row0 + g + 8 (16 is a multiple of R: a warp's rows never
+  // share a token with another warp's).
+  const int row0 = warp * 16;
+  const int i_lo = row0 + g, i_hi = i_lo + 8;
+  const int t_lo = i_lo / R, t_hi = i_hi / R, r = i_lo % R;  // i_hi % R == r
+  const bool v_lo = i_lo < m, v_hi = i_hi < m;
+  const int t_lo_safe = v_lo ? t_lo : 0, t_hi_safe = v_hi ? t_hi : 0;
+  uint32_t qlo[2][kH2][2], qhi[2][kH2][2];  // in flight with the staging copies
+  load_q_row<kH2>(a.ws.c_norm_h + ((int64_t)(cp.first + t_lo_safe) * R + r) * kN, cq, v_lo, qlo);
+  load_q_row<kH2>(a.ws.c_norm_h + ((int64_t)(cp.first + t_hi_safe) * R + r) * kN, cq, v_hi, qhi);
+  load_rotation_tables<kTokens, kN>(a, cp, h, base, sm);
+  stage_token_terms(a, cp, h, L);
+  // All of the above is two kernels back or older; S~ is the state pass's.
+  wait_for_previous_kernel();
+  allow_next_kernel();
+  copy_rows(reinterpret_cast<unsigned char*>(ss), 2 * kLdS,
+            static_cast<const __nv_bfloat16*>(a.ws.chunk_state_in) + ((int64_t)c * H + h) * P * kN, 2 * kN, P, P,
+            2 * kN);
+  cp_async_wait<0>();
+  __syncthreads();  // S~, the staged rows, the rotation tables and the token terms are in
+
+  if constexpr (kMaskTable) build_mask_table(base, sm, kTokens, cp.len);
+  rotate_k_in_place<kH2, kR>(base, sm, m);  // the right operand of Q K^T, a row per column
+  // q stays in registers: qf[hh][kt] is the A fragment of column tile hh * H2 + kt.
+  uint32_t qf[2][kH2][4];
+  {
+    const __half* bias_q = reinterpret_cast<const __half*>(base + sm.bias16) + (R + r) * kN;
+    const __half* cs = reinterpret_cast<const __half*>(base + sm.cos);
+    const __half* sn = reinterpret_cast<const __half*>(base + sm.sin);
+    rotate_q_row<kH2>(qlo, bias_q, cs + t_lo_safe * sm.ldr, sn + t_lo_safe * sm.ldr, sm.ldr, cq, v_lo);
+    rotate_q_row<kH2>(qhi, bias_q, cs + t_hi_safe * sm.ldr, sn + t_hi_safe * sm.ldr, sm.ldr, cq, v_hi);
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+#pragma unroll
+      for (int kt = 0; kt < kH2; ++kt) {
+        qf[hh][kt][0] = qlo[hh][kt][0];
+        qf[hh][kt][1] = qhi[hh][kt][0];
+        qf[hh][kt][2] = qlo[hh][kt][1];
+        qf[hh][kt][3] = qhi[hh][kt][1];
+      }
+    }
+  }
+  __syncthreads();  // k and the mask are in; the rotation tables are dead
+
+  build_xv<kR>(base, sm, P);
+  const bool active = row0 < m;
+  const int pts = P / 8;
+  float y[kMaxPT][4] = {};
+  if (active) {
+    // What the chunk inherits: exp(L_t) q_t . S~.
+    q_times_rows<kH2, kMaxPT, Operands::F16AsBf16>(y, qf, ss, kLdS, pts);
+    const float e_lo = v_lo ? expf(L[t_lo]) : 0.f, e_hi = v_hi ? expf(L[t_hi]) : 0.f;
+#pragma unroll
+    for (int pt = 0; pt < kMaxPT; ++pt) {
+      y[pt][0] *= e_lo; y[pt][1] *= e_lo; y[pt][2] *= e_hi; y[pt][3] *= e_hi;
+    }
+  }
+  __syncthreads();  // Xv is in
+
+  // Matrices of the trans x4: rows j0.. and j0+8.. of column tiles pt and pt + 1 of Xv.
+  const __nv_bfloat16* xv_row = xv + ((lane & 7) + 8 * ((lane >> 3) & 1)) * sm.ldxv + 8 * (lane >> 4);
+  // The chunk's own tokens, 16 columns of G at a time up to the diagonal; kFullP (headdim
+  // kMaxP, the common case) keeps the tile tests out of the loop.
+  auto own_tokens = [&](auto full_p) {
+    constexpr bool kFullP = decltype(full_p)::value;
+    for (int jt = 0; jt <= warp; ++jt) {
+      const int j0 = jt * 16;
+      float gacc[2][4] = {};
+      q_times_rows<kH2, 2, Operands::F16>(gacc, qf, ks + j0 * kLdK, kLdK, 2);
+      // M[i][j]: gamma_t on the diagonal token, exp(L_t - L_s) u_s below it. Columns jj and
+      // jj + 1 share their token when R > 1 (jj even), and then their factors.
+      auto mask_of = [&](bool row_ok, int t, int jj) {
+        const int s = jj / kR;
+        if constexpr (kMaskTable) {
+          return mask[t * sm.ldm + s];
+        } else {
+          if (!row_ok || jj >= m || s > t) return 0.f;
+          return s == t ? gam[t] : expf(L[t] - L[s]) * u[s];
+        }
+      };
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+        const int jj = j0 + nt * 8 + 2 * cq;
+        const float m_lo = mask_of(v_lo, t_lo, jj), m_hi = mask_of(v_hi, t_hi, jj);
+        const float m_lo1 = kR > 1 ? m_lo : mask_of(v_lo, t_lo, jj + 1);
+        const float m_hi1 = kR > 1 ? m_hi : mask_of(v_hi, t_hi, jj + 1);
+        gacc[nt][0] *= m_lo;
+        gacc[nt][1] *= m_lo1;
+        gacc[nt][2] *= m_hi;
+        gacc[nt][3] *= m_hi1;
+      }
+      const uint32_t g0 = pack_bf16(gacc[0][0], gacc[0][1]), g1 = pack_bf16(gacc[0][2], gacc[0][3]);
+      const uint32_t g2 = pack_bf16(gacc[1][0], gacc[1][1]), g3 = pack_bf16(gacc[1][2], gacc[1][3]);
+      const __nv_bfloat16* xv_j = xv_row + j0 * sm.ldxv;
+#pragma unroll
+      for (int pt = 0; pt < kMaxPT; pt += 2) {
+        if (kFullP || pt < pts) {
+          uint32_t b[4];
+          ldmatrix_x4_trans(b, xv_j + pt * 8);
+          mma_bf16(y[pt], g0, g1, g2, g3, b[0], b[1]);
+          mma_bf16(y[pt + 1], g0, g1, g2, g3, b[2], b[3]);
+        }
+      }
+    }
+  };
+  if (active) {
+    if (pts == kMaxPT) {
+      own_tokens(std::true_type{});
+    } else {
+      own_tokens(std::false_type{});
+    }
+
+    // The skip term D xv (in fp32), the optional norm, the gate; then the sum over the rank.
+    const float Dh = a.D[h];
+    const float* x_lo = xs + t_lo_safe * sm.ldx;
+    const float* x_hi = xs + t_hi_safe * sm.ldx;
+    const float* z_lo = zs + t_lo_safe * sm.ldx;
+    const float* z_hi = zs + t_hi_safe * sm.ldx;
+    const float* mx = mxs + r * P;
+    const float* mz = mzs + r * P;
+    const float* mo = mos + r * P;
+    float ss_lo = 0.f, ss_hi = 0.f;
+#pragma unroll
+    for (int pt = 0; pt < kMaxPT; ++pt) {
+      if (pt < pts) {
+        const int p = pt * 8 + 2 * cq;
+        const float2 m2 = ld2(mx + p), xl = ld2(x_lo + p), xh = ld2(x_hi + p);
+        y[pt][0] += Dh * (xl.x * m2.x);
+        y[pt][1] += Dh * (xl.y * m2.y);
+        y[pt][2] += Dh * (xh.x * m2.x);
+        y[pt][3] += Dh * (xh.y * m2.y);
+        ss_lo += y[pt][0] * y[pt][0] + y[pt][1] * y[pt][1];
+        ss_hi += y[pt][2] * y[pt][2] + y[pt][3] * y[pt][3];
+      }
+    }
+    float rs_lo = 1.f, rs_hi = 1.f;
+    const float* onorm = reinterpret_cast<const float*>(base + sm.onorm);
+    if (a.out_norm != nullptr) {  // a row's p are spread over the four lanes of its g
+      ss_lo += __shfl_xor_sync(0xffffffffu, ss_lo, 1);
+      ss_lo += __shfl_xor_sync(0xffffffffu, ss_lo, 2);
+      ss_hi += __shfl_xor_sync(0xffffffffu, ss_hi, 1);
+      ss_hi += __shfl_xor_sync(0xffffffffu, ss_hi, 2);
+      rs_lo = rsqrtf(ss_lo / P + a.norm_eps);
+      rs_hi = rsqrtf(ss_hi / P + a.norm_eps);
+    }
+#pragma unroll
+    for (int pt = 0; pt < kMaxPT; ++pt) {
+      if (pt < pts) {
+        const int p = pt * 8 + 2 * cq;
+        const float2 on = a.out_norm != nullptr ? ld2(onorm + p) : make_float2(1.f, 1.f);
+        const float2 zl = ld2(z_lo + p), zh = ld2(z_hi + p), z2 = ld2(mz + p), o2 = ld2(mo + p);
+        y[pt][0] = v_lo ? y[pt][0] * rs_lo * on.x * silu(zl.x * z2.x) * o2.x : 0.f;
+        y[pt][1] = v_lo ? y[pt][1] * rs_lo * on.y * silu(zl.y * z2.y) * o2.y : 0.f;
+        y[pt][2] = v_hi ? y[pt][2] * rs_hi * on.x * silu(zh.x * z2.x) * o2.x : 0.f;
+        y[pt][3] = v_hi ? y[pt][3] * rs_hi * on.y * silu(zh.y * z2.y) * o2.y : 0.f;
+      }
+    }
+    // A token's R rows are the lanes whose g differ in their low log2(R) bits (lane bits 2..).
+#pragma unroll
+    for (int off = 4; off < 32; off <<= 1) {
+      if (off < 4 * R) {
+#pragma unroll
+        for (int pt = 0; pt < kMaxPT; ++pt) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) y[pt][e] += __shfl_xor_sync(0xffffffffu, y[pt][e], off);
+        }
+      }
+    }
+    // Every lane of a token holds its sums; rank lane r stores the column tiles pt = r mod R.
+#pragma unroll
+    for (int pt = 0; pt < kMaxPT; ++pt) {
+      if (pt < pts && pt % R == r) {
+        const int p = pt * 8 + 2 * cq;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          if (!(half == 0 ? v_lo : v_hi)) continue;
+          const int64_t row = cp.first + (half == 0 ? t_lo : t_hi);
+          const float o0 = y[pt][2 * half], o1 = y[pt][2 * half + 1];
+          if (a.o_bf16) {
+            *reinterpret_cast<uint32_t*>(static_cast<__nv_bfloat16*>(a.o) + row * a.o_stride + h * P + p) =
+                pack_bf16(o0, o1);
+          } else {
+            *reinterpret_cast<float2*>(static_cast<float*>(a.o) + row * a.o_stride + h * P + p) =
+                make_float2(o0, o1);
+          }
+        }
+      }
+    }
+  }
+  if (cp.first + cp.len == cp.run_end) write_last_token_prev(prm, cp, h, kThreads);
+}
+
+}  // namespace
+
+int chunk_output_tc_smem_bytes(const PrefillScanDims& d) { return output_smem(d).bytes; }
+
+void prepare_chunk_output_tc() {
+  // The plan's size depends on the head shape; the limit is the most any shape may use,
+  // and chunk_tc_applies keeps shapes whose plan is larger on the general kernels.
+  for_every_head_shape([&]<int kH2, int kR>() {
+    set_chunk_kernel_smem_limit(reinterpret_cast<const void*>(prefill_chunk_output_tc_kernel<kH2, kR>),
+                                kMaxSharedBytesPerBlock, "prefill chunk output kernel");
+  });
+}
+
+}  // namespace m3::kernels::prefill_detail::tc
+
+namespace m3::kernels::prefill_detail {
+
+void launch_chunk_output_tc(const ScanParams& prm, cudaStream_t stream) {
+  tc::for_head_shape(prm.a.dims, [&]<int kH2, int kR>() {
+    const dim3 grid(prm.a.runs.n_chunks, prm.a.dims.heads);
+    const tc::OutputSmem sm = tc::output_smem(prm.a.dims);
+    launch_scan_kernel(tc::prefill_chunk_output_tc_kernel<kH2, kR>, grid, tc::kThreads, sm.bytes, stream, prm.a.pdl,
+                       prm, sm);
+  });
+}
+
+}  // namespace m3::kernels::prefill_detail

@@ -1,0 +1,238 @@
+// The chunk state kernel of the prefill scan (kernel 3 of kernels/prefill_scan.cuh) on
+// register fragments, for bf16 operands, MIMO heads and d_state a multiple of 32:
+//     dS = Xv^T diag(exp(L_e - L_s) u_s) K
+// for one (chunk, head) a block. The block first copies everything it reads into shared
+// memory with one batch of cp.async (the chunk's normed B rows in fp16, its x rows, angles,
+// B's bias and mimo_x), so it waits on about one memory round trip; k is then rotated in
+// place and read as the right operand by ldmatrix.trans, XvW^T is built beside it, and eight
+// warps multiply them on mma.sync m16n8k16.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "kernels/prefill_chunk_tc.cuh"
+
+namespace m3::kernels::prefill_detail::tc {
+namespace {
+
+constexpr int kLdXv = kRows + 8;  // XvW^T [p][rows], bf16
+
+// Where the state kernel's areas lie in its dynamic shared memory (byte offsets), sized from
+// the head shape: tokens = kRows / R rows of x and angles.
+struct StateSmem {
+  int k = 0, xv = 0, x = 0, rot = 0, bias_k = 0, mx = 0;
+  int terms = 0;  // L, gamma, u: `tokens` floats each
+  int ldx = 0;    // floats between rows of x
+  int bytes = 0;
+};
+
+StateSmem state_smem(const PrefillScanDims& d) {
+  const int tokens = kRows / d.rank, P = d.headdim, R = d.rank, N = d.d_state;
+  StateSmem m;
+  m.ldx = P + 8;  // 8 words past a multiple of 32 for P a multiple of 16: the Xv reads spread over the banks
+  SmemPlan plan;
+  m.k = plan.take(2 * kRows * kLdK);
+  m.xv = plan.take(2 * P * kLdXv);
+  m.x = plan.take(4 * tokens * m.ldx);
+  m.rot = plan.take(8 * tokens * d.n_angles);
+  m.bias_k = plan.take(4 * R * N);
+  m.mx = plan.take(4 * R * P);
+  m.terms = plan.take(4 * 3 * tokens);
+  m.bytes = plan.bytes();
+  return m;
+}
+
+// Everything the block of (chunk cp, head h) reads, into shared memory by cp.async (one
+// commit group).
+__device__ __forceinline__ void stage_chunk(const PrefillScanArgs& a, const StateSmem& sm, const ChunkPlace& cp, int h,
+                                            unsigned char* base) {
+  const int H = a.dims.heads, P = a.dims.headdim, N = a.dims.d_state, R = a.dims.rank, S = a.dims.n_angles;
+  const int tokens = kRows / R;
+  const int64_t row_floats = a.w_stride;
+  copy_rows(base + sm.k, 2 * kLdK, a.ws.b_norm_h + (int64_t)cp.first * R * N, 2 * N, kRows, cp.len * R, 2 * N);
+  copy_rows(base + sm.x, 4 * sm.ldx, a.w + cp.first * row_floats + a.off_x + h * P, 4 * row_floats, tokens, cp.len,
+            4 * P);
+  if (S > 0) {
+    copy_rows(base + sm.rot, 8 * S, a.ws.rot + ((int64_t)cp.first * H + h) * S, 8 * (int64_t)H * S, tokens, cp.len,
+              8 * S);
+  }
+  copy_rows(base + sm.bias_k, 0, a.B_bias + (int64_t)h * R * N, 0, 1, 1, 4 * R * N);
+  copy_rows(base + sm.mx, 0, a.mimo_x + (int64_t)h * R * P, 0, 1, 1, 4 * R * P);
+  cp_async_commit();
+}
+
+// Entries (n, n+1) of x0 and of x1 (their partners n + N/2) rotated, pair by pair, by theta
+// (rot_t holds cos and sin) where the pair's index is below S.
+__device__ __forceinline__ void rotate_pairs(float2 x0, float2 x1, const float2* rot_t, int n, int S, float2& v0,
+                                             float2& v1) {
+  v0 = x0;
+  v1 = x1;
+  if (n < S) {
+    const float2 r = rot_t[n];
+    v0.x = x0.x * r.x - x1.x * r.y;
+    v1.x = x0.x * r.y + x1.x * r.x;
+  }
+  if (n + 1 < S) {
+    const float2 r = rot_t[n + 1];
+    v0.y = x0.y * r.x - x1.y * r.y;
+    v1.y = x0.y * r.y + x1.y * r.x;
+  }
+}
+
+// The staged normed B rows (fp16) become k in place: bias added, rotated, bf16; rows past m
+// zeros. A thread takes eight adjacent entries of a row and their partners N/2 on.
+template <int kH2, int kR>
+__device__ __forceinline__ void rotate_k_in_place(unsigned char* base, const StateSmem& sm, int S, int m) {
+  constexpr int kN = kH2 * 32, kHalf = kN / 2, kOctets = kHalf / 8;
+  __half* kh = reinterpret_cast<__half*>(base + sm.k);
+  const float* bias = reinterpret_cast<const float*>(base + sm.bias_k);
+  const float2* rot = reinterpret_cast<const float2*>(base + sm.rot);
+  for (int idx = threadIdx.x; idx < kRows * kOctets; idx += kThreads) {
+    const int row = idx / kOctets, n0 = 8 * (idx - row * kOctets);
+    uint4* lo = reinterpret_cast<uint4*>(kh + row * kLdK + n0);
+    uint4* hi = reinterpret_cast<uint4*>(kh + row * kLdK + n0 + kHalf);
+    if (row >= m) {
+      *lo = make_uint4(0u, 0u, 0u, 0u);
+      *hi = make_uint4(0u, 0u, 0u, 0u);
+      continue;
+    }
+    const int t = row / kR, r = row % kR;
+    const uint4 a = *lo, b = *hi;
+    const uint32_t aw[4] = {a.x, a.y, a.z, a.w}, bw[4] = {b.x, b.y, b.z, b.w};
+    const float* bl = bias + r * kN + n0;
+    uint32_t ow[4], pw[4];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const int n = n0 + 2 * q;
+      const float2 x0 = half2_bits_to_float2(aw[q]), x1 = half2_bits_to_float2(bw[q]);
+      const float2 b0 = ld2(bl + 2 * q), b1 = ld2(bl + kHalf + 2 * q);
+      float2 v0, v1;
+      rotate_pairs(make_float2(x0.x + b0.x, x0.y + b0.y), make_float2(x1.x + b1.x, x1.y + b1.y), rot + t * S, n, S, v0,
+                   v1);
+      ow[q] = pack_bf16(v0.x, v0.y);
+      pw[q] = pack_bf16(v1.x, v1.y);
+    }
+    *lo = make_uint4(ow[0], ow[1], ow[2], ow[3]);
+    *hi = make_uint4(pw[0], pw[1], pw[2], pw[3]);
+  }
+}
+
+// XvW^T [p][rows] (bf16) for this warp's 16 rows from row0, from the staged x rows and
+// mimo_x, each row times its token's chunk-end weight exp(L_e - L_t) u_t; zeros past m.
+// Lane (pair jp of rows, p group pg): two rows a 4-byte store.
+template <int kR>
+__device__ __forceinline__ void store_xvw_transposed(const unsigned char* base, const StateSmem& sm, int P, int row0,
+                                                     int m, int len, __nv_bfloat16* xv_t) {
+  constexpr int R = kR;
+  const float* xs = reinterpret_cast<const float*>(base + sm.x);
+  const float* mxs = reinterpret_cast<const float*>(base + sm.mx);
+  const float* L = reinterpret_cast<const float*>(base + sm.terms);
+  const float* u = L + 2 * (kRows / R);
+  const int lane = threadIdx.x & 31, jp = lane & 7, pg = lane >> 3;
+  const int j = row0 + 2 * jp;
+  const int ta = j / R, ra = j - ta * R, tb = (j + 1) / R, rb = j + 1 - tb * R;
+  const bool va = j < m, vb = j + 1 < m;
+  const float sa = va ? expf(L[len - 1] - L[ta]) * u[ta] : 0.f;
+  const float sb = vb ? expf(L[len - 1] - L[tb]) * u[tb] : 0.f;
+  const float *xa = xs + ta * sm.ldx, *xb = xs + tb * sm.ldx, *ma = mxs + ra * P, *mb = mxs + rb * P;
+#pragma unroll 4
+  for (int p = pg; p < P; p += 4) {
+    const float ea = va ? sa * (xa[p] * ma[p]) : 0.f, eb = vb ? sb * (xb[p] * mb[p]) : 0.f;
+    *reinterpret_cast<uint32_t*>(xv_t + p * kLdXv + j) = pack_bf16(ea, eb);
+  }
+}
+
+// dS[p][n] = sum_j XvW[j][p] K[j][n]; warp w takes rows p of tile w % (P/16) and the 64
+// columns n of group w / (P/16).
+template <int kH2, int kR>
+__global__ void __launch_bounds__(kThreads) prefill_chunk_state_tc_kernel(const ScanParams prm, const StateSmem sm) {
+  constexpr int kN = kH2 * 32, R = kR;
+  const PrefillScanArgs& a = prm.a;
+  const int c = blockIdx.x, h = blockIdx.y;
+  const int H = a.dims.heads, P = a.dims.headdim, S = a.dims.n_angles;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, cq = lane & 3;
+  extern __shared__ float4 smem4[];
+  unsigned char* base = reinterpret_cast<unsigned char*>(smem4);
+  const __nv_bfloat16* ks = reinterpret_cast<const __nv_bfloat16*>(base + sm.k);  // [rows][kLdK]
+  __nv_bfloat16* xvw_t = reinterpret_cast<__nv_bfloat16*>(base + sm.xv);          // [P][kLdXv]
+
+  // With no angles kernel the token-params kernel is the previous one: wait before staging.
+  wait_for_previous_kernel();
+  allow_next_kernel();
+  const ChunkPlace cp = chunk_place(a, c, kRows / R);
+  const int m = cp.len * R, m16 = (m + 15) & ~15;
+  stage_chunk(a, sm, cp, h, base);
+  stage_token_terms(a, cp, h, reinterpret_cast<float*>(base + sm.terms));
+  cp_async_wait<0>();
+  __syncthreads();  // the staged rows and the token terms are in
+  rotate_k_in_place<kH2, kR>(base, sm, S, m);
+  store_xvw_transposed<kR>(base, sm, P, warp * 16, m, cp.len, xvw_t);
+  __syncthreads();  // k and XvW^T are in
+
+  const int p_tiles = P / 16, jobs = p_tiles * ((kN + 63) / 64);
+  float* delta = a.ws.chunk_delta + ((int64_t)c * H + h) * P * kN;
+  for (int job = warp; job < jobs; job += kThreads / 32) {
+    const int pt = job % p_tiles, ng = job / p_tiles;
+    const int nts = min(8, kN / 8 - ng * 8);  // 8-column tiles of this group (4 when N is 32 or 96's last)
+    float acc[8][4] = {};
+    // The A fragment of rows p (pt's 16) and columns j0..j0+15 is one ldmatrix.x4: lanes
+    // 0-15 name rows 0-15 at column j0, lanes 16-31 the same rows at j0 + 8.
+    const __nv_bfloat16* a_row = xvw_t + (pt * 16 + (lane & 15)) * kLdXv + 8 * (lane >> 4);
+    // Matrices of the trans x4: rows j0.. and j0+8.. of column tiles nt and nt + 1.
+    const __nv_bfloat16* b_row = ks + ((lane & 7) + 8 * ((lane >> 3) & 1)) * kLdK + ng * 64 + 8 * (lane >> 4);
+#pragma unroll
+    for (int j0 = 0; j0 < kRows; j0 += 16) {
+      if (j0 < m16) {
+        uint32_t af[4];
+        ldmatrix_x4(af, a_row + j0);
+#pragma unroll
+        for (int nt = 0; nt < 8; nt += 2) {
+          if (nt < nts) {
+            uint32_t b[4];
+            ldmatrix_x4_trans(b, b_row + j0 * kLdK + nt * 8);
+            mma_bf16(acc[nt], af[0], af[1], af[2], af[3], b[0], b[1]);
+            mma_bf16(acc[nt + 1], af[0], af[1], af[2], af[3], b[2], b[3]);
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+      if (nt < nts) {
+        const int p = pt * 16 + g, n = ng * 64 + nt * 8 + 2 * cq;
+        *reinterpret_cast<float2*>(delta + (int64_t)p * kN + n) = make_float2(acc[nt][0], acc[nt][1]);
+        *reinterpret_cast<float2*>(delta + (int64_t)(p + 8) * kN + n) = make_float2(acc[nt][2], acc[nt][3]);
+      }
+    }
+  }
+  if (threadIdx.x == 0) a.ws.chunk_log_decay[(int64_t)c * H + h] = reinterpret_cast<const float*>(base + sm.terms)[cp.len - 1];
+}
+
+}  // namespace
+
+int chunk_state_tc_smem_bytes(const PrefillScanDims& d) { return state_smem(d).bytes; }
+
+void prepare_chunk_state_tc() {
+  // The plan's size depends on the head shape; the limit is the most any shape may use,
+  // and chunk_tc_applies keeps shapes whose plan is larger on the general kernels.
+  for_every_head_shape([&]<int kH2, int kR>() {
+    set_chunk_kernel_smem_limit(reinterpret_cast<const void*>(prefill_chunk_state_tc_kernel<kH2, kR>),
+                                kMaxSharedBytesPerBlock, "prefill chunk state kernel");
+  });
+}
+
+}  // namespace m3::kernels::prefill_detail::tc
+
+namespace m3::kernels::prefill_detail {
+
+void launch_chunk_state_tc(const ScanParams& prm, cudaStream_t stream) {
+  tc::for_head_shape(prm.a.dims, [&]<int kH2, int kR>() {
+    const dim3 grid(prm.a.runs.n_chunks, prm.a.dims.heads);
+    const tc::StateSmem sm = tc::state_smem(prm.a.dims);
+    launch_scan_kernel(tc::prefill_chunk_state_tc_kernel<kH2, kR>, grid, tc::kThreads, sm.bytes, stream, prm.a.pdl,
+                       prm, sm);
+  });
+}
+
+}  // namespace m3::kernels::prefill_detail

@@ -1,0 +1,202 @@
+// What the two register-fragment chunk kernels share (kernels/prefill_chunk_state_tc.cu and
+// kernels/prefill_chunk_output_tc.cu): the block's shape, the staging copies, the fragment
+// loads and the product of a warp's q rows with rows of a staged matrix. Internal to the
+// prefill scan; the interface is kernels/prefill_scan.cuh.
+//
+// The layout the kernels rely on: in an A fragment of mma m16n8k16 lane (g, c) holds columns
+// 16 kt + 2c, +1 and +8, +9 of rows g and g + 8; a MIMO rotation pairs entry n with n + N/2,
+// which for N a multiple of 32 is tile kt + N/32 at the same place, so each lane holds both
+// entries of every pair it rotates.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include "kernels/mma_bf16.cuh"
+#include "kernels/prefill_chunk.cuh"
+
+namespace m3::kernels::prefill_detail::tc {
+
+inline constexpr int kRows = kPrefillRowsBf16;  // (token, rank) rows of a chunk
+inline constexpr int kThreads = kRows * 2;      // a warp per 16 rows
+inline constexpr int kMaxPT = kMaxP / 8;        // 8-column tiles of y
+// Row strides 4 words past a multiple of 32 words: the fragment loads and stores are free
+// of bank conflicts.
+inline constexpr int kLdK = kMaxN + 8;  // k [rows][n], 16-bit
+inline constexpr int kLdS = kMaxN + 8;  // S~ [p][n], bf16
+
+// Byte offsets of a kernel's shared-memory areas, laid out in the order they are taken.
+class SmemPlan {
+ public:
+  int take(int bytes) {
+    const int o = at_;
+    at_ += (bytes + 15) & ~15;
+    return o;
+  }
+  int bytes() const { return at_; }
+
+ private:
+  int at_ = 0;
+};
+
+__device__ __forceinline__ float2 ld2(const float* p) { return *reinterpret_cast<const float2*>(p); }
+
+__device__ __forceinline__ float2 half2_bits_to_float2(uint32_t bits) {
+  __half2 h;
+  *reinterpret_cast<uint32_t*>(&h) = bits;
+  return __half22float2(h);
+}
+
+// Rows [0, rows) of row_bytes (a multiple of 16, at most 16 * kThreads) from src, src_ld
+// bytes apart, to dst, dst_ld bytes apart, in 16-byte cp.async pieces; rows from `valid` on
+// become zeros. A thread keeps one piece of a row and walks the rows.
+__device__ __forceinline__ void copy_rows(unsigned char* dst, int dst_ld, const void* src, int64_t src_ld, int rows,
+                                          int valid, int row_bytes) {
+  const int pieces = row_bytes >> 4, rows_per_pass = kThreads / pieces;
+  const int first = threadIdx.x / pieces, pc = threadIdx.x - first * pieces;
+  if (first >= rows_per_pass) return;
+  const char* from = static_cast<const char*>(src) + pc * 16;
+  for (int row = first; row < rows; row += rows_per_pass) {
+    unsigned char* to = dst + row * dst_ld + pc * 16;
+    if (row < valid) {
+      cp_async16(to, from + row * src_ld);
+    } else {
+      *reinterpret_cast<uint4*>(to) = make_uint4(0u, 0u, 0u, 0u);
+    }
+  }
+}
+
+// The chunk's token terms into shared memory: L, gamma, u, `tokens` floats apart.
+__device__ __forceinline__ void stage_token_terms(const PrefillScanArgs& a, const ChunkPlace& cp, int h, float* L) {
+  const int tokens = kRows / a.dims.rank;
+  chunk_token_terms(a, cp, h, L, L + tokens, L + 2 * tokens);
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* p) {
+  const auto s = static_cast<uint32_t>(__cvta_generic_to_shared(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(s));
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
+  const auto s = static_cast<uint32_t>(__cvta_generic_to_shared(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(s));
+}
+
+// One row's normed C entries (fp16 bits) as this lane holds them in an A fragment:
+// raw[hh][kt][hf] packs columns n, n+1 with n = (hh * H2 + kt) * 16 + 2c + 8 hf. Zeros for
+// a row past the chunk's tokens.
+template <int kH2>
+__device__ __forceinline__ void load_q_row(const __half* row, int c, bool valid, uint32_t (&raw)[2][kH2][2]) {
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+#pragma unroll
+    for (int kt = 0; kt < kH2; ++kt) {
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const int n = (hh * kH2 + kt) * 16 + 2 * c + 8 * hf;
+        raw[hh][kt][hf] = valid ? __ldg(reinterpret_cast<const unsigned int*>(row + n)) : 0u;
+      }
+    }
+  }
+}
+
+// The type of the 16-bit operands of q_times_rows.
+enum class Operands { Bf16, F16, F16AsBf16 };
+
+__device__ __forceinline__ uint32_t f16x2_to_bf16x2(uint32_t bits) {
+  const float2 f = half2_bits_to_float2(bits);
+  return pack_bf16(f.x, f.y);
+}
+
+// acc[nt] += Q (this warp's rows, qf) . Bt[rows nt * 8 .. + 7]^T for nt < count (even), with
+// Bt [rows][ld] 16-bit, one row per output column (S~ for the inherited state, k for G).
+// kOps: both operands bf16, both fp16, or q fp16 and Bt bf16 (each q fragment converted as
+// it is used, so no second copy of q lives in registers). Rows of Bt are the B operand's
+// columns: one ldmatrix.x4 gives tiles nt and nt + 1.
+template <int kH2, int NT, Operands kOps>
+__device__ __forceinline__ void q_times_rows(float (&acc)[NT][4], const uint32_t (&qf)[2][kH2][4], const void* bt,
+                                             int ld, int count) {
+  static_assert(NT % 2 == 0, "column tiles go in pairs");
+  const int lane = threadIdx.x & 31;
+  // Lanes 0-7: rows of tile nt at k0, 8-15: the same at k0 + 8, 16-31: tile nt + 1.
+  const uint16_t* row = static_cast<const uint16_t*>(bt) + ((lane & 7) + 8 * (lane >> 4)) * ld + 8 * ((lane >> 3) & 1);
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+#pragma unroll
+    for (int kt = 0; kt < kH2; ++kt) {
+      const int k0 = (hh * kH2 + kt) * 16;
+      uint32_t a[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) a[e] = kOps == Operands::F16AsBf16 ? f16x2_to_bf16x2(qf[hh][kt][e]) : qf[hh][kt][e];
+#pragma unroll
+      for (int nt = 0; nt < NT; nt += 2) {
+        if (nt < count) {
+          uint32_t b[4];
+          ldmatrix_x4(b, row + nt * 8 * ld + k0);
+          if constexpr (kOps == Operands::F16) {
+            mma_f16(acc[nt], a[0], a[1], a[2], a[3], b[0], b[1]);
+            mma_f16(acc[nt + 1], a[0], a[1], a[2], a[3], b[2], b[3]);
+          } else {
+            mma_bf16(acc[nt], a[0], a[1], a[2], a[3], b[0], b[1]);
+            mma_bf16(acc[nt + 1], a[0], a[1], a[2], a[3], b[2], b[3]);
+          }
+        }
+      }
+    }
+  }
+}
+
+// Calls f.template operator()<kH2, kR>() for the head shape's d_state / 32 and rank.
+template <typename F>
+void for_head_shape(const PrefillScanDims& d, F&& f) {
+  auto rank = [&]<int kH2>() {
+    switch (d.rank) {
+      case 1: f.template operator()<kH2, 1>(); break;
+      case 2: f.template operator()<kH2, 2>(); break;
+      case 4: f.template operator()<kH2, 4>(); break;
+      case 8: f.template operator()<kH2, 8>(); break;
+      default: throw std::invalid_argument("prefill chunk kernels: mimo_rank " + std::to_string(d.rank) +
+                                           " is not 1, 2, 4 or 8");
+    }
+  };
+  switch (d.d_state / 32) {
+    case 1: rank.template operator()<1>(); break;
+    case 2: rank.template operator()<2>(); break;
+    case 3: rank.template operator()<3>(); break;
+    case 4: rank.template operator()<4>(); break;
+    default: throw std::invalid_argument("prefill chunk kernels: d_state " + std::to_string(d.d_state) +
+                                         " is not a multiple of 32 up to 128");
+  }
+}
+
+// Every (d_state / 32, rank) the kernels are instantiated for, for load-time setup.
+template <typename F>
+void for_every_head_shape(F&& f) {
+  auto ranks = [&]<int kH2>() {
+    f.template operator()<kH2, 1>();
+    f.template operator()<kH2, 2>();
+    f.template operator()<kH2, 4>();
+    f.template operator()<kH2, 8>();
+  };
+  ranks.template operator()<1>();
+  ranks.template operator()<2>();
+  ranks.template operator()<3>();
+  ranks.template operator()<4>();
+}
+
+// Per kernel (kernels/prefill_chunk_state_tc.cu, kernels/prefill_chunk_output_tc.cu): the
+// shared memory one block asks for at this head shape, and the load-time limits.
+int chunk_state_tc_smem_bytes(const PrefillScanDims& d);
+int chunk_output_tc_smem_bytes(const PrefillScanDims& d);
+void prepare_chunk_state_tc();
+void prepare_chunk_output_tc();
+
+}  // namespace m3::kernels::prefill_detail::tc
