@@ -99,60 +99,6 @@ __device__ __forceinline__ void stage_chunk(const PrefillScanArgs& a, const Outp
   cp_async_commit();
 }
 
-__device__ __forceinline__ uint32_t half2_bits(__half2 v) { return *reinterpret_cast<uint32_t*>(&v); }
-__device__ __forceinline__ __half2 bits_half2(uint32_t v) { return *reinterpret_cast<__half2*>(&v); }
-
-// The fp16 tables of the rotations, from global memory: cos and sin of each token's angles
-// in pairs (angles past S up to ldr the identity, tokens past the chunk's zeros) and both
-// biases. Every load of a thread is issued before its first store, so the block waits on
-// one round trip for them, beside its cp.async copies.
-template <int kTokens, int kN>
-__device__ __forceinline__ void load_rotation_tables(const PrefillScanArgs& a, const ChunkPlace& cp, int h,
-                                                     unsigned char* base, const OutputSmem& sm) {
-  constexpr int kMaxAngles = kTokens * kN / 4, kMaxBias = 2 * 8 * kN / 4;  // pairs of angles; float4 of biases (R <= 8)
-  constexpr int kAngleLoads = (kMaxAngles + kThreads - 1) / kThreads, kBiasLoads = (kMaxBias + kThreads - 1) / kThreads;
-  const int H = a.dims.heads, S = a.dims.n_angles, RN = a.dims.rank * kN;
-  const int pairs = sm.ldr / 2, angle_tasks = kTokens * pairs, bias_tasks = 2 * RN / 4;
-  float4 ang[kAngleLoads], bias[kBiasLoads];
-#pragma unroll
-  for (int i = 0; i < kAngleLoads; ++i) {
-    const int idx = threadIdx.x + i * kThreads;
-    const int t = idx / max(pairs, 1), j = 2 * (idx - t * pairs);
-    ang[i] = make_float4(1.f, 0.f, 1.f, 0.f);  // cos_j, sin_j, cos_j+1, sin_j+1
-    if (idx < angle_tasks && t >= cp.len) ang[i] = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (idx < angle_tasks && t < cp.len && j < S) {
-      ang[i] = __ldg(reinterpret_cast<const float4*>(a.ws.rot + ((int64_t)(cp.first + t) * H + h) * S + j));
-    }
-  }
-#pragma unroll
-  for (int i = 0; i < kBiasLoads; ++i) {
-    const int idx = threadIdx.x + i * kThreads;
-    if (idx < bias_tasks) {
-      const float* src = idx < RN / 4 ? a.B_bias + (int64_t)h * RN + 4 * idx : a.C_bias + (int64_t)h * RN + 4 * idx - RN;
-      bias[i] = __ldg(reinterpret_cast<const float4*>(src));
-    }
-  }
-  uint32_t* cs = reinterpret_cast<uint32_t*>(base + sm.cos);
-  uint32_t* sn = reinterpret_cast<uint32_t*>(base + sm.sin);
-#pragma unroll
-  for (int i = 0; i < kAngleLoads; ++i) {
-    const int idx = threadIdx.x + i * kThreads;
-    if (idx < angle_tasks) {
-      cs[idx] = half2_bits(__floats2half2_rn(ang[i].x, ang[i].z));
-      sn[idx] = half2_bits(__floats2half2_rn(ang[i].y, ang[i].w));
-    }
-  }
-  uint2* b16 = reinterpret_cast<uint2*>(base + sm.bias16);
-#pragma unroll
-  for (int i = 0; i < kBiasLoads; ++i) {
-    const int idx = threadIdx.x + i * kThreads;
-    if (idx < bias_tasks) {
-      b16[idx] = make_uint2(half2_bits(__floats2half2_rn(bias[i].x, bias[i].y)),
-                            half2_bits(__floats2half2_rn(bias[i].z, bias[i].w)));
-    }
-  }
-}
-
 // M[t][s]: gamma_t on the diagonal, exp(L_t - L_s) u_s below it, zeros above it and past the
 // chunk's tokens.
 __device__ __forceinline__ void build_mask_table(unsigned char* base, const OutputSmem& sm, int tokens, int len) {
@@ -162,15 +108,9 @@ __device__ __forceinline__ void build_mask_table(unsigned char* base, const Outp
   for (int idx = threadIdx.x; idx < tokens * tokens; idx += kThreads) {
     const int t = idx / tokens, s = idx - t * tokens;
     float v = 0.f;
-    if (t < len && s <= t) v = s == t ? gam[t] : expf(L[t] - L[s]) * u[s];
+    if (t < len && s <= t) v = s == t ? gam[t] : exp_fast(L[t] - L[s]) * u[s];
     mask[t * sm.ldm + s] = v;
   }
-}
-
-// (x0, x1) rotated by (c, s), two pairs at once.
-__device__ __forceinline__ void rotate_h2(__half2 x0, __half2 x1, __half2 c, __half2 s, __half2& v0, __half2& v1) {
-  v0 = __hfma2(x0, c, __hneg2(__hmul2(x1, s)));
-  v1 = __hfma2(x0, s, __hmul2(x1, c));
 }
 
 // The staged normed B rows (fp16) become k in place: bias added, rotated, fp16; rows past m
@@ -256,7 +196,7 @@ __device__ __forceinline__ void build_xv(unsigned char* base, const OutputSmem& 
   __nv_bfloat16* xv = reinterpret_cast<__nv_bfloat16*>(base + sm.xv);
   const int quads = P / 4;
   for (int idx = threadIdx.x; idx < kRows * quads; idx += kThreads) {
-    const int j = idx / quads, p = 4 * (idx - j * quads);
+    const int j = div_small(idx, quads), p = 4 * (idx - j * quads);
     const int t = j / kR, r = j % kR;
     const float4 x = *reinterpret_cast<const float4*>(xs + t * sm.ldx + p);
     const float4 w = *reinterpret_cast<const float4*>(mxs + r * P + p);
@@ -301,7 +241,9 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_chunk_output_tc_kernel(co
   uint32_t qlo[2][kH2][2], qhi[2][kH2][2];  // in flight with the staging copies
   load_q_row<kH2>(a.ws.c_norm_h + ((int64_t)(cp.first + t_lo_safe) * R + r) * kN, cq, v_lo, qlo);
   load_q_row<kH2>(a.ws.c_norm_h + ((int64_t)(cp.first + t_hi_safe) * R + r) * kN, cq, v_hi, qhi);
-  load_rotation_tables<kTokens, kN>(a, cp, h, base, sm);
+  load_rotation_tables<kTokens, kN>(a, cp, h, reinterpret_cast<uint32_t*>(base + sm.cos),
+                                    reinterpret_cast<uint32_t*>(base + sm.sin), reinterpret_cast<uint2*>(base + sm.bias16),
+                                    sm.ldr, true);
   stage_token_terms(a, cp, h, L);
   // All of the above is two kernels back or older; S~ is the state pass's.
   wait_for_previous_kernel();
@@ -342,7 +284,7 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_chunk_output_tc_kernel(co
   if (active) {
     // What the chunk inherits: exp(L_t) q_t . S~.
     q_times_rows<kH2, kMaxPT, Operands::F16AsBf16>(y, qf, ss, kLdS, pts);
-    const float e_lo = v_lo ? expf(L[t_lo]) : 0.f, e_hi = v_hi ? expf(L[t_hi]) : 0.f;
+    const float e_lo = v_lo ? exp_fast(L[t_lo]) : 0.f, e_hi = v_hi ? exp_fast(L[t_hi]) : 0.f;
 #pragma unroll
     for (int pt = 0; pt < kMaxPT; ++pt) {
       y[pt][0] *= e_lo; y[pt][1] *= e_lo; y[pt][2] *= e_hi; y[pt][3] *= e_hi;
@@ -352,9 +294,9 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_chunk_output_tc_kernel(co
 
   // Matrices of the trans x4: rows j0.. and j0+8.. of column tiles pt and pt + 1 of Xv.
   const __nv_bfloat16* xv_row = xv + ((lane & 7) + 8 * ((lane >> 3) & 1)) * sm.ldxv + 8 * (lane >> 4);
-  // The chunk's own tokens, 16 columns of G at a time up to the diagonal; kFullP (headdim
-  // kMaxP, the common case) keeps the tile tests out of the loop.
-  auto own_tokens = [&](auto full_p) {
+  // The chunk's own tokens, 16 columns of G at a time up to the diagonal, then the epilogue;
+  // kFullP (headdim kMaxP, the common case) keeps the tile tests out of the code.
+  auto finish = [&](auto full_p) {
     constexpr bool kFullP = decltype(full_p)::value;
     for (int jt = 0; jt <= warp; ++jt) {
       const int j0 = jt * 16;
@@ -368,7 +310,7 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_chunk_output_tc_kernel(co
           return mask[t * sm.ldm + s];
         } else {
           if (!row_ok || jj >= m || s > t) return 0.f;
-          return s == t ? gam[t] : expf(L[t] - L[s]) * u[s];
+          return s == t ? gam[t] : exp_fast(L[t] - L[s]) * u[s];
         }
       };
 #pragma unroll
@@ -395,15 +337,10 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_chunk_output_tc_kernel(co
         }
       }
     }
-  };
-  if (active) {
-    if (pts == kMaxPT) {
-      own_tokens(std::true_type{});
-    } else {
-      own_tokens(std::false_type{});
-    }
 
     // The skip term D xv (in fp32), the optional norm, the gate; then the sum over the rank.
+    // Rows past the chunk's tokens hold zeros throughout (their q, x and z rows are zeros),
+    // and a token's rows are all valid or none, so nothing here tests them.
     const float Dh = a.D[h];
     const float* x_lo = xs + t_lo_safe * sm.ldx;
     const float* x_hi = xs + t_hi_safe * sm.ldx;
@@ -415,7 +352,7 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_chunk_output_tc_kernel(co
     float ss_lo = 0.f, ss_hi = 0.f;
 #pragma unroll
     for (int pt = 0; pt < kMaxPT; ++pt) {
-      if (pt < pts) {
+      if (kFullP || pt < pts) {
         const int p = pt * 8 + 2 * cq;
         const float2 m2 = ld2(mx + p), xl = ld2(x_lo + p), xh = ld2(x_hi + p);
         y[pt][0] += Dh * (xl.x * m2.x);
@@ -438,14 +375,14 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_chunk_output_tc_kernel(co
     }
 #pragma unroll
     for (int pt = 0; pt < kMaxPT; ++pt) {
-      if (pt < pts) {
+      if (kFullP || pt < pts) {
         const int p = pt * 8 + 2 * cq;
         const float2 on = a.out_norm != nullptr ? ld2(onorm + p) : make_float2(1.f, 1.f);
         const float2 zl = ld2(z_lo + p), zh = ld2(z_hi + p), z2 = ld2(mz + p), o2 = ld2(mo + p);
-        y[pt][0] = v_lo ? y[pt][0] * rs_lo * on.x * silu(zl.x * z2.x) * o2.x : 0.f;
-        y[pt][1] = v_lo ? y[pt][1] * rs_lo * on.y * silu(zl.y * z2.y) * o2.y : 0.f;
-        y[pt][2] = v_hi ? y[pt][2] * rs_hi * on.x * silu(zh.x * z2.x) * o2.x : 0.f;
-        y[pt][3] = v_hi ? y[pt][3] * rs_hi * on.y * silu(zh.y * z2.y) * o2.y : 0.f;
+        y[pt][0] *= rs_lo * on.x * silu_fast(zl.x * z2.x) * o2.x;
+        y[pt][1] *= rs_lo * on.y * silu_fast(zl.y * z2.y) * o2.y;
+        y[pt][2] *= rs_hi * on.x * silu_fast(zh.x * z2.x) * o2.x;
+        y[pt][3] *= rs_hi * on.y * silu_fast(zh.y * z2.y) * o2.y;
       }
     }
     // A token's R rows are the lanes whose g differ in their low log2(R) bits (lane bits 2..).
@@ -462,7 +399,7 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_chunk_output_tc_kernel(co
     // Every lane of a token holds its sums; rank lane r stores the column tiles pt = r mod R.
 #pragma unroll
     for (int pt = 0; pt < kMaxPT; ++pt) {
-      if (pt < pts && pt % R == r) {
+      if ((kFullP || pt < pts) && pt % R == r) {
         const int p = pt * 8 + 2 * cq;
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
@@ -478,6 +415,13 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_chunk_output_tc_kernel(co
           }
         }
       }
+    }
+  };
+  if (active) {
+    if (pts == kMaxPT) {
+      finish(std::true_type{});
+    } else {
+      finish(std::false_type{});
     }
   }
   if (cp.first + cp.len == cp.run_end) write_last_token_prev(prm, cp, h, kThreads);

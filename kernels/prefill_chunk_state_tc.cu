@@ -2,10 +2,11 @@
 // register fragments, for bf16 operands, MIMO heads and d_state a multiple of 32:
 //     dS = Xv^T diag(exp(L_e - L_s) u_s) K
 // for one (chunk, head) a block. The block first copies everything it reads into shared
-// memory with one batch of cp.async (the chunk's normed B rows in fp16, its x rows, angles,
-// B's bias and mimo_x), so it waits on about one memory round trip; k is then rotated in
-// place and read as the right operand by ldmatrix.trans, XvW^T is built beside it, and eight
-// warps multiply them on mma.sync m16n8k16.
+// memory with one batch of cp.async (the chunk's normed B rows in fp16, its x rows and
+// mimo_x) and loads the angles' cos and sin and B's bias into fp16 tables, so it waits on
+// about one memory round trip; k is then rotated in place in fp16 pair arithmetic (two
+// entries an instruction) and stored in bf16, read as the right operand by ldmatrix.trans,
+// XvW^T is built beside it, and eight warps multiply them on mma.sync m16n8k16.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -21,9 +22,10 @@ constexpr int kLdXv = kRows + 8;  // XvW^T [p][rows], bf16
 // Where the state kernel's areas lie in its dynamic shared memory (byte offsets), sized from
 // the head shape: tokens = kRows / R rows of x and angles.
 struct StateSmem {
-  int k = 0, xv = 0, x = 0, rot = 0, bias_k = 0, mx = 0;
+  int k = 0, xv = 0, x = 0, cos = 0, sin = 0, bias16 = 0, mx = 0;
   int terms = 0;  // L, gamma, u: `tokens` floats each
   int ldx = 0;    // floats between rows of x
+  int ldr = 0;    // halves between rows of the cos and sin tables: the angles rounded up to 8
   int bytes = 0;
 };
 
@@ -31,63 +33,44 @@ StateSmem state_smem(const PrefillScanDims& d) {
   const int tokens = kRows / d.rank, P = d.headdim, R = d.rank, N = d.d_state;
   StateSmem m;
   m.ldx = P + 8;  // 8 words past a multiple of 32 for P a multiple of 16: the Xv reads spread over the banks
+  m.ldr = (d.n_angles + 7) & ~7;
   SmemPlan plan;
   m.k = plan.take(2 * kRows * kLdK);
   m.xv = plan.take(2 * P * kLdXv);
   m.x = plan.take(4 * tokens * m.ldx);
-  m.rot = plan.take(8 * tokens * d.n_angles);
-  m.bias_k = plan.take(4 * R * N);
+  m.cos = plan.take(2 * tokens * m.ldr);
+  m.sin = plan.take(2 * tokens * m.ldr);
+  m.bias16 = plan.take(2 * R * N);
   m.mx = plan.take(4 * R * P);
   m.terms = plan.take(4 * 3 * tokens);
   m.bytes = plan.bytes();
   return m;
 }
 
-// Everything the block of (chunk cp, head h) reads, into shared memory by cp.async (one
-// commit group).
+// The rows and vectors the block of (chunk cp, head h) reads, into shared memory by cp.async
+// (one commit group).
 __device__ __forceinline__ void stage_chunk(const PrefillScanArgs& a, const StateSmem& sm, const ChunkPlace& cp, int h,
                                             unsigned char* base) {
-  const int H = a.dims.heads, P = a.dims.headdim, N = a.dims.d_state, R = a.dims.rank, S = a.dims.n_angles;
+  const int P = a.dims.headdim, N = a.dims.d_state, R = a.dims.rank;
   const int tokens = kRows / R;
   const int64_t row_floats = a.w_stride;
   copy_rows(base + sm.k, 2 * kLdK, a.ws.b_norm_h + (int64_t)cp.first * R * N, 2 * N, kRows, cp.len * R, 2 * N);
   copy_rows(base + sm.x, 4 * sm.ldx, a.w + cp.first * row_floats + a.off_x + h * P, 4 * row_floats, tokens, cp.len,
             4 * P);
-  if (S > 0) {
-    copy_rows(base + sm.rot, 8 * S, a.ws.rot + ((int64_t)cp.first * H + h) * S, 8 * (int64_t)H * S, tokens, cp.len,
-              8 * S);
-  }
-  copy_rows(base + sm.bias_k, 0, a.B_bias + (int64_t)h * R * N, 0, 1, 1, 4 * R * N);
   copy_rows(base + sm.mx, 0, a.mimo_x + (int64_t)h * R * P, 0, 1, 1, 4 * R * P);
   cp_async_commit();
 }
 
-// Entries (n, n+1) of x0 and of x1 (their partners n + N/2) rotated, pair by pair, by theta
-// (rot_t holds cos and sin) where the pair's index is below S.
-__device__ __forceinline__ void rotate_pairs(float2 x0, float2 x1, const float2* rot_t, int n, int S, float2& v0,
-                                             float2& v1) {
-  v0 = x0;
-  v1 = x1;
-  if (n < S) {
-    const float2 r = rot_t[n];
-    v0.x = x0.x * r.x - x1.x * r.y;
-    v1.x = x0.x * r.y + x1.x * r.x;
-  }
-  if (n + 1 < S) {
-    const float2 r = rot_t[n + 1];
-    v0.y = x0.y * r.x - x1.y * r.y;
-    v1.y = x0.y * r.y + x1.y * r.x;
-  }
-}
-
-// The staged normed B rows (fp16) become k in place: bias added, rotated, bf16; rows past m
-// zeros. A thread takes eight adjacent entries of a row and their partners N/2 on.
+// The staged normed B rows (fp16) become k in place: bias added and rotated in fp16 pairs,
+// stored in bf16 (the type of XvW^T, its left operand); rows past m zeros. A thread takes
+// eight adjacent entries of a row and their partners N/2 on.
 template <int kH2, int kR>
-__device__ __forceinline__ void rotate_k_in_place(unsigned char* base, const StateSmem& sm, int S, int m) {
+__device__ __forceinline__ void rotate_k_in_place(unsigned char* base, const StateSmem& sm, int m) {
   constexpr int kN = kH2 * 32, kHalf = kN / 2, kOctets = kHalf / 8;
   __half* kh = reinterpret_cast<__half*>(base + sm.k);
-  const float* bias = reinterpret_cast<const float*>(base + sm.bias_k);
-  const float2* rot = reinterpret_cast<const float2*>(base + sm.rot);
+  const __half* bias = reinterpret_cast<const __half*>(base + sm.bias16);
+  const __half* cs = reinterpret_cast<const __half*>(base + sm.cos);
+  const __half* sn = reinterpret_cast<const __half*>(base + sm.sin);
   for (int idx = threadIdx.x; idx < kRows * kOctets; idx += kThreads) {
     const int row = idx / kOctets, n0 = 8 * (idx - row * kOctets);
     uint4* lo = reinterpret_cast<uint4*>(kh + row * kLdK + n0);
@@ -98,23 +81,38 @@ __device__ __forceinline__ void rotate_k_in_place(unsigned char* base, const Sta
       continue;
     }
     const int t = row / kR, r = row % kR;
-    const uint4 a = *lo, b = *hi;
-    const uint32_t aw[4] = {a.x, a.y, a.z, a.w}, bw[4] = {b.x, b.y, b.z, b.w};
-    const float* bl = bias + r * kN + n0;
-    uint32_t ow[4], pw[4];
+    uint4 a = *lo, b = *hi;
+    const uint4 ba = *reinterpret_cast<const uint4*>(bias + r * kN + n0);
+    const uint4 bb = *reinterpret_cast<const uint4*>(bias + r * kN + n0 + kHalf);
+    uint32_t* aw = &a.x;
+    uint32_t* bw = &b.x;
+    const uint32_t* baw = &ba.x;
+    const uint32_t* bbw = &bb.x;
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
-      const int n = n0 + 2 * q;
-      const float2 x0 = half2_bits_to_float2(aw[q]), x1 = half2_bits_to_float2(bw[q]);
-      const float2 b0 = ld2(bl + 2 * q), b1 = ld2(bl + kHalf + 2 * q);
-      float2 v0, v1;
-      rotate_pairs(make_float2(x0.x + b0.x, x0.y + b0.y), make_float2(x1.x + b1.x, x1.y + b1.y), rot + t * S, n, S, v0,
-                   v1);
-      ow[q] = pack_bf16(v0.x, v0.y);
-      pw[q] = pack_bf16(v1.x, v1.y);
+      aw[q] = half2_bits(__hadd2(bits_half2(aw[q]), bits_half2(baw[q])));
+      bw[q] = half2_bits(__hadd2(bits_half2(bw[q]), bits_half2(bbw[q])));
     }
-    *lo = make_uint4(ow[0], ow[1], ow[2], ow[3]);
-    *hi = make_uint4(pw[0], pw[1], pw[2], pw[3]);
+    if (n0 < sm.ldr) {
+      const uint4 c4 = *reinterpret_cast<const uint4*>(cs + t * sm.ldr + n0);
+      const uint4 s4 = *reinterpret_cast<const uint4*>(sn + t * sm.ldr + n0);
+      const uint32_t* cw = &c4.x;
+      const uint32_t* sw = &s4.x;
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        __half2 v0, v1;
+        rotate_h2(bits_half2(aw[q]), bits_half2(bw[q]), bits_half2(cw[q]), bits_half2(sw[q]), v0, v1);
+        aw[q] = half2_bits(v0);
+        bw[q] = half2_bits(v1);
+      }
+    }
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      aw[q] = f16x2_to_bf16x2(aw[q]);
+      bw[q] = f16x2_to_bf16x2(bw[q]);
+    }
+    *lo = a;
+    *hi = b;
   }
 }
 
@@ -133,8 +131,8 @@ __device__ __forceinline__ void store_xvw_transposed(const unsigned char* base, 
   const int j = row0 + 2 * jp;
   const int ta = j / R, ra = j - ta * R, tb = (j + 1) / R, rb = j + 1 - tb * R;
   const bool va = j < m, vb = j + 1 < m;
-  const float sa = va ? expf(L[len - 1] - L[ta]) * u[ta] : 0.f;
-  const float sb = vb ? expf(L[len - 1] - L[tb]) * u[tb] : 0.f;
+  const float sa = va ? exp_fast(L[len - 1] - L[ta]) * u[ta] : 0.f;
+  const float sb = vb ? exp_fast(L[len - 1] - L[tb]) * u[tb] : 0.f;
   const float *xa = xs + ta * sm.ldx, *xb = xs + tb * sm.ldx, *ma = mxs + ra * P, *mb = mxs + rb * P;
 #pragma unroll 4
   for (int p = pg; p < P; p += 4) {
@@ -150,7 +148,7 @@ __global__ void __launch_bounds__(kThreads) prefill_chunk_state_tc_kernel(const 
   constexpr int kN = kH2 * 32, R = kR;
   const PrefillScanArgs& a = prm.a;
   const int c = blockIdx.x, h = blockIdx.y;
-  const int H = a.dims.heads, P = a.dims.headdim, S = a.dims.n_angles;
+  const int H = a.dims.heads, P = a.dims.headdim;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, cq = lane & 3;
   extern __shared__ float4 smem4[];
   unsigned char* base = reinterpret_cast<unsigned char*>(smem4);
@@ -163,10 +161,13 @@ __global__ void __launch_bounds__(kThreads) prefill_chunk_state_tc_kernel(const 
   const ChunkPlace cp = chunk_place(a, c, kRows / R);
   const int m = cp.len * R, m16 = (m + 15) & ~15;
   stage_chunk(a, sm, cp, h, base);
+  load_rotation_tables<kRows / kR, kN>(a, cp, h, reinterpret_cast<uint32_t*>(base + sm.cos),
+                                       reinterpret_cast<uint32_t*>(base + sm.sin),
+                                       reinterpret_cast<uint2*>(base + sm.bias16), sm.ldr, false);
   stage_token_terms(a, cp, h, reinterpret_cast<float*>(base + sm.terms));
   cp_async_wait<0>();
   __syncthreads();  // the staged rows and the token terms are in
-  rotate_k_in_place<kH2, kR>(base, sm, S, m);
+  rotate_k_in_place<kH2, kR>(base, sm, m);
   store_xvw_transposed<kR>(base, sm, P, warp * 16, m, cp.len, xvw_t);
   __syncthreads();  // k and XvW^T are in
 

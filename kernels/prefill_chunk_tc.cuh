@@ -45,6 +45,27 @@ class SmemPlan {
 
 __device__ __forceinline__ float2 ld2(const float* p) { return *reinterpret_cast<const float2*>(p); }
 
+// a / b for a < 4096 and 0 < b < 256 through one float reciprocal: (a + 0.5) / b lies at
+// least 0.5 / b from an integer, far past the product's rounding, so truncation is exact.
+// An integer division by a value known only at run time is some 20 instructions.
+__device__ __forceinline__ int div_small(int a, int b) {
+  return __float2int_rz((static_cast<float>(a) + 0.5f) * __frcp_rn(static_cast<float>(b)));
+}
+
+// 2^x by the hardware's approximation (2 ulp), subnormal results flushed to zero (exp2f and
+// __expf add a rescaling for them).
+__device__ __forceinline__ float exp2_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+__device__ __forceinline__ float exp_fast(float x) { return exp2_ftz(x * 1.4426950408889634f); }
+
+// silu in fast-math form, for kernels whose result is rounded to bf16: the IEEE division and
+// expf are some 25 instructions an element. __fdividef gives 0 once 1 + e^-v passes 2^126,
+// the limit of v e^v.
+__device__ __forceinline__ float silu_fast(float v) { return __fdividef(v, 1.0f + exp_fast(-v)); }
+
 __device__ __forceinline__ float2 half2_bits_to_float2(uint32_t bits) {
   __half2 h;
   *reinterpret_cast<uint32_t*>(&h) = bits;
@@ -56,8 +77,8 @@ __device__ __forceinline__ float2 half2_bits_to_float2(uint32_t bits) {
 // become zeros. A thread keeps one piece of a row and walks the rows.
 __device__ __forceinline__ void copy_rows(unsigned char* dst, int dst_ld, const void* src, int64_t src_ld, int rows,
                                           int valid, int row_bytes) {
-  const int pieces = row_bytes >> 4, rows_per_pass = kThreads / pieces;
-  const int first = threadIdx.x / pieces, pc = threadIdx.x - first * pieces;
+  const int pieces = row_bytes >> 4, rows_per_pass = div_small(kThreads, pieces);
+  const int first = div_small(threadIdx.x, pieces), pc = threadIdx.x - first * pieces;
   if (first >= rows_per_pass) return;
   const char* from = static_cast<const char*>(src) + pc * 16;
   for (int row = first; row < rows; row += rows_per_pass) {
@@ -106,6 +127,63 @@ __device__ __forceinline__ void load_q_row(const __half* row, int c, bool valid,
       }
     }
   }
+}
+
+__device__ __forceinline__ uint32_t half2_bits(__half2 v) { return *reinterpret_cast<uint32_t*>(&v); }
+__device__ __forceinline__ __half2 bits_half2(uint32_t v) { return *reinterpret_cast<__half2*>(&v); }
+
+// The fp16 tables of the rotations, from global memory: cos and sin of each token's angles
+// in pairs (angles past S up to ldr the identity, tokens past the chunk's zeros), B's bias
+// and, with_c_bias, C's after it. Every load of a thread is issued before its first store,
+// so the block waits on one round trip for them, beside its cp.async copies.
+template <int kTokens, int kN>
+__device__ __forceinline__ void load_rotation_tables(const PrefillScanArgs& a, const ChunkPlace& cp, int h, uint32_t* cs,
+                                                     uint32_t* sn, uint2* b16, int ldr, bool with_c_bias) {
+  constexpr int kMaxAngles = kTokens * kN / 4, kMaxBias = 2 * 8 * kN / 4;  // pairs of angles; float4 of biases (R <= 8)
+  constexpr int kAngleLoads = (kMaxAngles + kThreads - 1) / kThreads, kBiasLoads = (kMaxBias + kThreads - 1) / kThreads;
+  const int H = a.dims.heads, S = a.dims.n_angles, RN = a.dims.rank * kN;
+  const int pairs = ldr / 2, angle_tasks = kTokens * pairs, bias_tasks = (with_c_bias ? 2 : 1) * RN / 4;
+  float4 ang[kAngleLoads], bias[kBiasLoads];
+#pragma unroll
+  for (int i = 0; i < kAngleLoads; ++i) {
+    const int idx = threadIdx.x + i * kThreads;
+    const int t = div_small(idx, max(pairs, 1)), j = 2 * (idx - t * pairs);
+    ang[i] = make_float4(1.f, 0.f, 1.f, 0.f);  // cos_j, sin_j, cos_j+1, sin_j+1
+    if (idx < angle_tasks && t >= cp.len) ang[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (idx < angle_tasks && t < cp.len && j < S) {
+      ang[i] = __ldg(reinterpret_cast<const float4*>(a.ws.rot + ((int64_t)(cp.first + t) * H + h) * S + j));
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < kBiasLoads; ++i) {
+    const int idx = threadIdx.x + i * kThreads;
+    if (idx < bias_tasks) {
+      const float* src = idx < RN / 4 ? a.B_bias + (int64_t)h * RN + 4 * idx : a.C_bias + (int64_t)h * RN + 4 * idx - RN;
+      bias[i] = __ldg(reinterpret_cast<const float4*>(src));
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < kAngleLoads; ++i) {
+    const int idx = threadIdx.x + i * kThreads;
+    if (idx < angle_tasks) {
+      cs[idx] = half2_bits(__floats2half2_rn(ang[i].x, ang[i].z));
+      sn[idx] = half2_bits(__floats2half2_rn(ang[i].y, ang[i].w));
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < kBiasLoads; ++i) {
+    const int idx = threadIdx.x + i * kThreads;
+    if (idx < bias_tasks) {
+      b16[idx] = make_uint2(half2_bits(__floats2half2_rn(bias[i].x, bias[i].y)),
+                            half2_bits(__floats2half2_rn(bias[i].z, bias[i].w)));
+    }
+  }
+}
+
+// (x0, x1) rotated by (c, s), two pairs at once.
+__device__ __forceinline__ void rotate_h2(__half2 x0, __half2 x1, __half2 c, __half2 s, __half2& v0, __half2& v1) {
+  v0 = __hfma2(x0, c, __hneg2(__hmul2(x1, s)));
+  v1 = __hfma2(x0, s, __hmul2(x1, c));
 }
 
 // The type of the 16-bit operands of q_times_rows.

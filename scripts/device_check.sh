@@ -13,7 +13,8 @@
 #   prefill  m3bench prefill, chunked and stepped, s2s-14l bf16 (PREFILL_LENS, PREFILL_BATCHES;
 #            PREFILL_FLAG_SETS: ';'-separated sets of flags, a chunked run each)
 #   prefill_trace  each kernel's time in a chunked prefill (CUPTI), 2048 tokens at batch 1, 8
-#                  (PREFILL_TRACE_RUNS: other LENxBATCH pairs)
+#                  (PREFILL_TRACE_RUNS: other LENxBATCH pairs; PREFILL_TRACE_FLAGS: more m3bench
+#                  flags, such as --cuda-pdl false for each kernel's time without overlap)
 #   prefill_ncu    Nsight Compute on one launch of each chunked-prefill kernel
 #   prefill_sass   Nsight Compute source counters of the chunk kernels: per-SASS-instruction
 #                  stall samples as CSV (prefill_sass_*.csv.gz) for scripts/sass_hotspots.py
@@ -183,10 +184,11 @@ run_prefill_trace() {
   local run len b
   for run in ${PREFILL_TRACE_RUNS:-2048x1 2048x8}; do
     len=${run%x*} b=${run#*x}
+    # shellcheck disable=SC2086  # the flags are words
     M3_TRACE_OUT="$OUT/prefill_trace_${len}_b$b.csv" CUDA_INJECTION64_PATH="$DEV/lib/libm3_kernel_trace.so" \
         LD_LIBRARY_PATH="$LD_LIBRARY_PATH:/usr/local/cuda/extras/CUPTI/lib64" \
         timeout 120 "$DEV/bin/m3bench" prefill --config $CONFIG --len "$len" --batch "$b" --iters 3 \
-        --cuda-prefill chunked >"$OUT/prefill_trace_${len}_b$b.txt" 2>&1 || fail "prefill trace $run"
+        --cuda-prefill chunked ${PREFILL_TRACE_FLAGS:-} >"$OUT/prefill_trace_${len}_b$b.txt" 2>&1 || fail "prefill trace $run"
     [[ -s $OUT/prefill_trace_${len}_b$b.csv ]] && python3 "$ROOT/scripts/kernel_trace_totals.py" \
         "$OUT/prefill_trace_${len}_b$b.csv" 2>&1 | head -40
   done
