@@ -217,7 +217,6 @@ run_prefill_sass() {
         "$DEV/bin/m3bench" prefill --config $CONFIG --len 2048 --batch 1 --iters 1 --cuda-prefill chunked \
         >"$OUT/sass_$k.log" 2>&1 || { fail "ncu source counters $k"; continue; }
     "$ncu" -i "$OUT/sass_$k.ncu-rep" --page source --csv --print-source sass 2>&1 | gzip >"$OUT/prefill_sass_$k.csv.gz"
-    "$ncu" -i "$OUT/sass_$k.ncu-rep" --page source --csv --print-source cuda --source-folders "$ROOT/kernels" 2>&1 | gzip >"$OUT/prefill_lines_$k.csv.gz"
     "$ncu" -i "$OUT/sass_$k.ncu-rep" --page details 2>&1 | grep -E "Duration|Registers|Stall|Warp Cycles|Occupancy" | head -30
     rm -f "$OUT/sass_$k.ncu-rep"
   done
