@@ -6,7 +6,8 @@
 // mimo_x) and loads the angles' cos and sin and B's bias into fp16 tables, so it waits on
 // about one memory round trip; k is then rotated in place in fp16 pair arithmetic (two
 // entries an instruction) and stored in bf16, read as the right operand by ldmatrix.trans,
-// XvW^T is built beside it, and eight warps multiply them on mma.sync m16n8k16.
+// XvW is built beside it (row-major, read as the transposed left operand by ldmatrix.trans
+// too), and eight warps multiply them on mma.sync m16n8k16.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -17,14 +18,13 @@
 namespace m3::kernels::prefill_detail::tc {
 namespace {
 
-constexpr int kLdXv = kRows + 8;  // XvW^T [p][rows], bf16
-
 // Where the state kernel's areas lie in its dynamic shared memory (byte offsets), sized from
 // the head shape: tokens = kRows / R rows of x and angles.
 struct StateSmem {
   int k = 0, xv = 0, x = 0, cos = 0, sin = 0, bias16 = 0, mx = 0;
   int terms = 0;  // L, gamma, u: `tokens` floats each
   int ldx = 0;    // floats between rows of x
+  int ldxv = 0;   // bf16 between rows of XvW
   int ldr = 0;    // halves between rows of the cos and sin tables: the angles rounded up to 8
   int bytes = 0;
 };
@@ -33,10 +33,11 @@ StateSmem state_smem(const PrefillScanDims& d) {
   const int tokens = kRows / d.rank, P = d.headdim, R = d.rank, N = d.d_state;
   StateSmem m;
   m.ldx = P + 8;  // 8 words past a multiple of 32 for P a multiple of 16: the Xv reads spread over the banks
+  m.ldxv = P + 8;  // rows 4 words apart modulo 32: ldmatrix reads are free of bank conflicts
   m.ldr = (d.n_angles + 7) & ~7;
   SmemPlan plan;
   m.k = plan.take(2 * kRows * kLdK);
-  m.xv = plan.take(2 * P * kLdXv);
+  m.xv = plan.take(2 * kRows * m.ldxv);
   m.x = plan.take(4 * tokens * m.ldx);
   m.cos = plan.take(2 * tokens * m.ldr);
   m.sin = plan.take(2 * tokens * m.ldr);
@@ -62,7 +63,7 @@ __device__ __forceinline__ void stage_chunk(const PrefillScanArgs& a, const Stat
 }
 
 // The staged normed B rows (fp16) become k in place: bias added and rotated in fp16 pairs,
-// stored in bf16 (the type of XvW^T, its left operand); rows past m zeros. A thread takes
+// stored in bf16 (the type of XvW, its left operand); rows past m zeros. A thread takes
 // eight adjacent entries of a row and their partners N/2 on.
 template <int kH2, int kR>
 __device__ __forceinline__ void rotate_k_in_place(unsigned char* base, const StateSmem& sm, int m) {
@@ -116,28 +117,26 @@ __device__ __forceinline__ void rotate_k_in_place(unsigned char* base, const Sta
   }
 }
 
-// XvW^T [p][rows] (bf16) for this warp's 16 rows from row0, from the staged x rows and
-// mimo_x, each row times its token's chunk-end weight exp(L_e - L_t) u_t; zeros past m.
-// Lane (pair jp of rows, p group pg): two rows a 4-byte store.
+// XvW [rows][p] (bf16): each row's x_t[p] mimo_x[r][p] times its token's chunk-end weight
+// exp(L_e - L_t) u_t, four entries a thread at a time; rows past m zeros (their staged x
+// rows are).
 template <int kR>
-__device__ __forceinline__ void store_xvw_transposed(const unsigned char* base, const StateSmem& sm, int P, int row0,
-                                                     int m, int len, __nv_bfloat16* xv_t) {
-  constexpr int R = kR;
+__device__ __forceinline__ void build_xvw(unsigned char* base, const StateSmem& sm, int P, int len) {
   const float* xs = reinterpret_cast<const float*>(base + sm.x);
   const float* mxs = reinterpret_cast<const float*>(base + sm.mx);
   const float* L = reinterpret_cast<const float*>(base + sm.terms);
-  const float* u = L + 2 * (kRows / R);
-  const int lane = threadIdx.x & 31, jp = lane & 7, pg = lane >> 3;
-  const int j = row0 + 2 * jp;
-  const int ta = j / R, ra = j - ta * R, tb = (j + 1) / R, rb = j + 1 - tb * R;
-  const bool va = j < m, vb = j + 1 < m;
-  const float sa = va ? exp_fast(L[len - 1] - L[ta]) * u[ta] : 0.f;
-  const float sb = vb ? exp_fast(L[len - 1] - L[tb]) * u[tb] : 0.f;
-  const float *xa = xs + ta * sm.ldx, *xb = xs + tb * sm.ldx, *ma = mxs + ra * P, *mb = mxs + rb * P;
-#pragma unroll 4
-  for (int p = pg; p < P; p += 4) {
-    const float ea = va ? sa * (xa[p] * ma[p]) : 0.f, eb = vb ? sb * (xb[p] * mb[p]) : 0.f;
-    *reinterpret_cast<uint32_t*>(xv_t + p * kLdXv + j) = pack_bf16(ea, eb);
+  const float* u = L + 2 * (kRows / kR);
+  __nv_bfloat16* xvw = reinterpret_cast<__nv_bfloat16*>(base + sm.xv);
+  const float l_end = L[len - 1];
+  const int quads = P / 4;
+  for (int idx = threadIdx.x; idx < kRows * quads; idx += kThreads) {
+    const int j = div_small(idx, quads), p = 4 * (idx - j * quads);
+    const int t = j / kR, r = j % kR;
+    const float wt = t < len ? exp_fast(l_end - L[t]) * u[t] : 0.f;
+    const float4 x = *reinterpret_cast<const float4*>(xs + t * sm.ldx + p);
+    const float4 w = *reinterpret_cast<const float4*>(mxs + r * P + p);
+    *reinterpret_cast<uint2*>(xvw + j * sm.ldxv + p) =
+        make_uint2(pack_bf16(wt * (x.x * w.x), wt * (x.y * w.y)), pack_bf16(wt * (x.z * w.z), wt * (x.w * w.w)));
   }
 }
 
@@ -153,7 +152,7 @@ __global__ void __launch_bounds__(kThreads) prefill_chunk_state_tc_kernel(const 
   extern __shared__ float4 smem4[];
   unsigned char* base = reinterpret_cast<unsigned char*>(smem4);
   const __nv_bfloat16* ks = reinterpret_cast<const __nv_bfloat16*>(base + sm.k);  // [rows][kLdK]
-  __nv_bfloat16* xvw_t = reinterpret_cast<__nv_bfloat16*>(base + sm.xv);          // [P][kLdXv]
+  const __nv_bfloat16* xvw = reinterpret_cast<const __nv_bfloat16*>(base + sm.xv);  // [rows][ldxv]
 
   // With no angles kernel the token-params kernel is the previous one: wait before staging.
   wait_for_previous_kernel();
@@ -168,8 +167,8 @@ __global__ void __launch_bounds__(kThreads) prefill_chunk_state_tc_kernel(const 
   cp_async_wait<0>();
   __syncthreads();  // the staged rows and the token terms are in
   rotate_k_in_place<kH2, kR>(base, sm, m);
-  store_xvw_transposed<kR>(base, sm, P, warp * 16, m, cp.len, xvw_t);
-  __syncthreads();  // k and XvW^T are in
+  build_xvw<kR>(base, sm, P, cp.len);
+  __syncthreads();  // k and XvW are in
 
   const int p_tiles = P / 16, jobs = p_tiles * ((kN + 63) / 64);
   float* delta = a.ws.chunk_delta + ((int64_t)c * H + h) * P * kN;
@@ -177,16 +176,17 @@ __global__ void __launch_bounds__(kThreads) prefill_chunk_state_tc_kernel(const 
     const int pt = job % p_tiles, ng = job / p_tiles;
     const int nts = min(8, kN / 8 - ng * 8);  // 8-column tiles of this group (4 when N is 32 or 96's last)
     float acc[8][4] = {};
-    // The A fragment of rows p (pt's 16) and columns j0..j0+15 is one ldmatrix.x4: lanes
-    // 0-15 name rows 0-15 at column j0, lanes 16-31 the same rows at j0 + 8.
-    const __nv_bfloat16* a_row = xvw_t + (pt * 16 + (lane & 15)) * kLdXv + 8 * (lane >> 4);
+    // The A fragment of rows p (pt's 16) and columns j0..j0+15 is one ldmatrix.x4.trans of
+    // XvW: its matrices are rows j0.. at p0 and p0 + 8, then rows j0 + 8.. at p0 and p0 + 8.
+    const __nv_bfloat16* a_row =
+        xvw + ((lane & 7) + 8 * (lane >> 4)) * sm.ldxv + pt * 16 + 8 * ((lane >> 3) & 1);
     // Matrices of the trans x4: rows j0.. and j0+8.. of column tiles nt and nt + 1.
     const __nv_bfloat16* b_row = ks + ((lane & 7) + 8 * ((lane >> 3) & 1)) * kLdK + ng * 64 + 8 * (lane >> 4);
 #pragma unroll
     for (int j0 = 0; j0 < kRows; j0 += 16) {
       if (j0 < m16) {
         uint32_t af[4];
-        ldmatrix_x4(af, a_row + j0);
+        ldmatrix_x4_trans(af, a_row + j0 * sm.ldxv);
 #pragma unroll
         for (int nt = 0; nt < 8; nt += 2) {
           if (nt < nts) {
