@@ -18,10 +18,11 @@
 //      right operand of G Xv, while the warps compute Q S~^T (q converted to bf16 a fragment
 //      at a time, S~ being bf16);
 //   4. each warp walks the 16-column tiles of G up to the diagonal: Q K^T, times M, packed to
-//      bf16 in place (two m16n8 accumulator tiles side by side are one A fragment), times Xv.
-// Why: the rotations and the Xv and mask work had been per element in fp32 inside the loop
-// over G's tiles, several instructions an entry; the tables and the fp16 pairs take most of
-// that work out of the loop and halve what is left.
+//      bf16 in place (two m16n8 accumulator tiles side by side are one A fragment), times Xv;
+//      then adds D Xv, applies the norm and the gate, and sums its rows over the rank.
+// Why: done per element in fp32 inside the loop over G's tiles, the rotations, Xv and the
+// mask cost several instructions an entry; the tables and the fp16 pairs take most of that
+// work out of the loop and halve what is left.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
