@@ -44,7 +44,7 @@ struct OutputSmem {
   int xv = 0;                        // over the rotations' tables
   int mx = 0, mz = 0, mo = 0, onorm = 0, mask = 0, terms = 0;
   int ldx = 0;   // floats between rows of x and z
-  int ldr = 0;   // halves between rows of the cos and sin tables: the angles rounded up to 8
+  int ldr = 0;   // rotation_table_width
   int ldxv = 0;  // bf16 between rows of Xv
   int ldm = 0;   // floats between rows of the mask table (0: no table)
   int bytes = 0;
@@ -56,7 +56,7 @@ OutputSmem output_smem(const PrefillScanDims& d) {
   const int tokens = kRows / d.rank, P = d.headdim, R = d.rank, N = d.d_state, S = d.n_angles;
   OutputSmem m;
   m.ldx = P + 8;  // 8 words past a multiple of 32 for P a multiple of 16: the Xv reads spread over the banks
-  m.ldr = (S + 7) & ~7;
+  m.ldr = rotation_table_width(S);
   m.ldxv = P + 8;  // rows 4 words apart modulo 32: ldmatrix reads are free of bank conflicts
   m.ldm = mask_table(R) ? tokens + 1 : 0;
   SmemPlan plan;
@@ -111,55 +111,6 @@ __device__ __forceinline__ void build_mask_table(unsigned char* base, const Outp
     float v = 0.f;
     if (t < len && s <= t) v = s == t ? gam[t] : exp_fast(L[t] - L[s]) * u[s];
     mask[t * sm.ldm + s] = v;
-  }
-}
-
-// The staged normed B rows (fp16) become k in place: bias added, rotated, fp16; rows past m
-// zeros. A thread takes eight adjacent entries of a row and their partners N/2 on.
-template <int kH2, int kR>
-__device__ __forceinline__ void rotate_k_in_place(unsigned char* base, const OutputSmem& sm, int m) {
-  constexpr int kN = kH2 * 32, kHalf = kN / 2, kOctets = kHalf / 8;
-  __half* kh = reinterpret_cast<__half*>(base + sm.k);
-  const __half* bias = reinterpret_cast<const __half*>(base + sm.bias16);
-  const __half* cs = reinterpret_cast<const __half*>(base + sm.cos);
-  const __half* sn = reinterpret_cast<const __half*>(base + sm.sin);
-  for (int idx = threadIdx.x; idx < kRows * kOctets; idx += kThreads) {
-    const int row = idx / kOctets, n0 = 8 * (idx - row * kOctets);
-    uint4* lo = reinterpret_cast<uint4*>(kh + row * kLdK + n0);
-    uint4* hi = reinterpret_cast<uint4*>(kh + row * kLdK + n0 + kHalf);
-    if (row >= m) {
-      *lo = make_uint4(0u, 0u, 0u, 0u);
-      *hi = make_uint4(0u, 0u, 0u, 0u);
-      continue;
-    }
-    const int t = row / kR, r = row % kR;
-    uint4 a = *lo, b = *hi;
-    const uint4 ba = *reinterpret_cast<const uint4*>(bias + r * kN + n0);
-    const uint4 bb = *reinterpret_cast<const uint4*>(bias + r * kN + n0 + kHalf);
-    uint32_t* aw = &a.x;
-    uint32_t* bw = &b.x;
-    const uint32_t* baw = &ba.x;
-    const uint32_t* bbw = &bb.x;
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      aw[q] = half2_bits(__hadd2(bits_half2(aw[q]), bits_half2(baw[q])));
-      bw[q] = half2_bits(__hadd2(bits_half2(bw[q]), bits_half2(bbw[q])));
-    }
-    if (n0 < sm.ldr) {
-      const uint4 c4 = *reinterpret_cast<const uint4*>(cs + t * sm.ldr + n0);
-      const uint4 s4 = *reinterpret_cast<const uint4*>(sn + t * sm.ldr + n0);
-      const uint32_t* cw = &c4.x;
-      const uint32_t* sw = &s4.x;
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        __half2 v0, v1;
-        rotate_h2(bits_half2(aw[q]), bits_half2(bw[q]), bits_half2(cw[q]), bits_half2(sw[q]), v0, v1);
-        aw[q] = half2_bits(v0);
-        bw[q] = half2_bits(v1);
-      }
-    }
-    *lo = a;
-    *hi = b;
   }
 }
 
@@ -256,7 +207,11 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_chunk_output_tc_kernel(co
   __syncthreads();  // S~, the staged rows, the rotation tables and the token terms are in
 
   if constexpr (kMaskTable) build_mask_table(base, sm, kTokens, cp.len);
-  rotate_k_in_place<kH2, kR>(base, sm, m);  // the right operand of Q K^T, a row per column
+  // The right operand of Q K^T, a row per column, in fp16.
+  rotate_k_in_place<kH2, kR, false>(reinterpret_cast<__half*>(base + sm.k),
+                                    reinterpret_cast<const __half*>(base + sm.bias16),
+                                    reinterpret_cast<const __half*>(base + sm.cos),
+                                    reinterpret_cast<const __half*>(base + sm.sin), sm.ldr, m);
   // q stays in registers: qf[hh][kt] is the A fragment of column tile hh * H2 + kt.
   uint32_t qf[2][kH2][4];
   {

@@ -25,7 +25,7 @@ struct StateSmem {
   int terms = 0;  // L, gamma, u: `tokens` floats each
   int ldx = 0;    // floats between rows of x
   int ldxv = 0;   // bf16 between rows of XvW
-  int ldr = 0;    // halves between rows of the cos and sin tables: the angles rounded up to 8
+  int ldr = 0;    // rotation_table_width
   int bytes = 0;
 };
 
@@ -34,7 +34,7 @@ StateSmem state_smem(const PrefillScanDims& d) {
   StateSmem m;
   m.ldx = P + 8;  // 8 words past a multiple of 32 for P a multiple of 16: the Xv reads spread over the banks
   m.ldxv = P + 8;  // rows 4 words apart modulo 32: ldmatrix reads are free of bank conflicts
-  m.ldr = (d.n_angles + 7) & ~7;
+  m.ldr = rotation_table_width(d.n_angles);
   SmemPlan plan;
   m.k = plan.take(2 * kRows * kLdK);
   m.xv = plan.take(2 * kRows * m.ldxv);
@@ -60,61 +60,6 @@ __device__ __forceinline__ void stage_chunk(const PrefillScanArgs& a, const Stat
             4 * P);
   copy_rows(base + sm.mx, 0, a.mimo_x + (int64_t)h * R * P, 0, 1, 1, 4 * R * P);
   cp_async_commit();
-}
-
-// The staged normed B rows (fp16) become k in place: bias added and rotated in fp16 pairs,
-// stored in bf16 (the type of XvW, its left operand); rows past m zeros. A thread takes
-// eight adjacent entries of a row and their partners N/2 on.
-template <int kH2, int kR>
-__device__ __forceinline__ void rotate_k_in_place(unsigned char* base, const StateSmem& sm, int m) {
-  constexpr int kN = kH2 * 32, kHalf = kN / 2, kOctets = kHalf / 8;
-  __half* kh = reinterpret_cast<__half*>(base + sm.k);
-  const __half* bias = reinterpret_cast<const __half*>(base + sm.bias16);
-  const __half* cs = reinterpret_cast<const __half*>(base + sm.cos);
-  const __half* sn = reinterpret_cast<const __half*>(base + sm.sin);
-  for (int idx = threadIdx.x; idx < kRows * kOctets; idx += kThreads) {
-    const int row = idx / kOctets, n0 = 8 * (idx - row * kOctets);
-    uint4* lo = reinterpret_cast<uint4*>(kh + row * kLdK + n0);
-    uint4* hi = reinterpret_cast<uint4*>(kh + row * kLdK + n0 + kHalf);
-    if (row >= m) {
-      *lo = make_uint4(0u, 0u, 0u, 0u);
-      *hi = make_uint4(0u, 0u, 0u, 0u);
-      continue;
-    }
-    const int t = row / kR, r = row % kR;
-    uint4 a = *lo, b = *hi;
-    const uint4 ba = *reinterpret_cast<const uint4*>(bias + r * kN + n0);
-    const uint4 bb = *reinterpret_cast<const uint4*>(bias + r * kN + n0 + kHalf);
-    uint32_t* aw = &a.x;
-    uint32_t* bw = &b.x;
-    const uint32_t* baw = &ba.x;
-    const uint32_t* bbw = &bb.x;
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      aw[q] = half2_bits(__hadd2(bits_half2(aw[q]), bits_half2(baw[q])));
-      bw[q] = half2_bits(__hadd2(bits_half2(bw[q]), bits_half2(bbw[q])));
-    }
-    if (n0 < sm.ldr) {
-      const uint4 c4 = *reinterpret_cast<const uint4*>(cs + t * sm.ldr + n0);
-      const uint4 s4 = *reinterpret_cast<const uint4*>(sn + t * sm.ldr + n0);
-      const uint32_t* cw = &c4.x;
-      const uint32_t* sw = &s4.x;
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        __half2 v0, v1;
-        rotate_h2(bits_half2(aw[q]), bits_half2(bw[q]), bits_half2(cw[q]), bits_half2(sw[q]), v0, v1);
-        aw[q] = half2_bits(v0);
-        bw[q] = half2_bits(v1);
-      }
-    }
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      aw[q] = f16x2_to_bf16x2(aw[q]);
-      bw[q] = f16x2_to_bf16x2(bw[q]);
-    }
-    *lo = a;
-    *hi = b;
-  }
 }
 
 // XvW [rows][p] (bf16): each row's x_t[p] mimo_x[r][p] times its token's chunk-end weight
@@ -166,7 +111,11 @@ __global__ void __launch_bounds__(kThreads) prefill_chunk_state_tc_kernel(const 
   stage_token_terms(a, cp, h, reinterpret_cast<float*>(base + sm.terms));
   cp_async_wait<0>();
   __syncthreads();  // the staged rows and the token terms are in
-  rotate_k_in_place<kH2, kR>(base, sm, m);
+  // k in bf16, the type of XvW, its left operand.
+  rotate_k_in_place<kH2, kR, true>(reinterpret_cast<__half*>(base + sm.k),
+                                   reinterpret_cast<const __half*>(base + sm.bias16),
+                                   reinterpret_cast<const __half*>(base + sm.cos),
+                                   reinterpret_cast<const __half*>(base + sm.sin), sm.ldr, m);
   build_xvw<kR>(base, sm, P, cp.len);
   __syncthreads();  // k and XvW are in
 

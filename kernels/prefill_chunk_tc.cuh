@@ -43,6 +43,10 @@ class SmemPlan {
   int at_ = 0;
 };
 
+// Halves between rows of the fp16 cos and sin tables: the angles rounded up to 8, so that a
+// row's eight-entry pieces are whole (the padding is the identity).
+inline int rotation_table_width(int n_angles) { return (n_angles + 7) & ~7; }
+
 __device__ __forceinline__ float2 ld2(const float* p) { return *reinterpret_cast<const float2*>(p); }
 
 // a / b for a < 4096 and 0 < b < 256 through one float reciprocal: (a + 0.5) / b lies at
@@ -66,11 +70,9 @@ __device__ __forceinline__ float exp_fast(float x) { return exp2_ftz(x * 1.44269
 // the limit of v e^v.
 __device__ __forceinline__ float silu_fast(float v) { return __fdividef(v, 1.0f + exp_fast(-v)); }
 
-__device__ __forceinline__ float2 half2_bits_to_float2(uint32_t bits) {
-  __half2 h;
-  *reinterpret_cast<uint32_t*>(&h) = bits;
-  return __half22float2(h);
-}
+__device__ __forceinline__ uint32_t half2_bits(__half2 v) { return *reinterpret_cast<uint32_t*>(&v); }
+__device__ __forceinline__ __half2 bits_half2(uint32_t v) { return *reinterpret_cast<__half2*>(&v); }
+__device__ __forceinline__ float2 half2_bits_to_float2(uint32_t bits) { return __half22float2(bits_half2(bits)); }
 
 // Rows [0, rows) of row_bytes (a multiple of 16, at most 16 * kThreads) from src, src_ld
 // bytes apart, to dst, dst_ld bytes apart, in 16-byte cp.async pieces; rows from `valid` on
@@ -128,9 +130,6 @@ __device__ __forceinline__ void load_q_row(const __half* row, int c, bool valid,
     }
   }
 }
-
-__device__ __forceinline__ uint32_t half2_bits(__half2 v) { return *reinterpret_cast<uint32_t*>(&v); }
-__device__ __forceinline__ __half2 bits_half2(uint32_t v) { return *reinterpret_cast<__half2*>(&v); }
 
 // The fp16 tables of the rotations, from global memory: cos and sin of each token's angles
 // in pairs (angles past S up to ldr the identity, tokens past the chunk's zeros), B's bias
@@ -192,6 +191,61 @@ enum class Operands { Bf16, F16, F16AsBf16 };
 __device__ __forceinline__ uint32_t f16x2_to_bf16x2(uint32_t bits) {
   const float2 f = half2_bits_to_float2(bits);
   return pack_bf16(f.x, f.y);
+}
+
+// The staged normed B rows (fp16, [kRows][kLdK] at kh) become k in place: bias added and
+// rotated in fp16 pairs (bias: [R][N] fp16; cs, sn: [tokens][ldr] fp16), then kept in fp16
+// or, kToBf16, stored in bf16; rows past m zeros. A thread takes eight adjacent entries of a
+// row and their partners N/2 on.
+template <int kH2, int kR, bool kToBf16>
+__device__ __forceinline__ void rotate_k_in_place(__half* kh, const __half* bias, const __half* cs, const __half* sn,
+                                                  int ldr, int m) {
+  constexpr int kN = kH2 * 32, kHalf = kN / 2, kOctets = kHalf / 8;
+  for (int idx = threadIdx.x; idx < kRows * kOctets; idx += kThreads) {
+    const int row = idx / kOctets, n0 = 8 * (idx - row * kOctets);
+    uint4* lo = reinterpret_cast<uint4*>(kh + row * kLdK + n0);
+    uint4* hi = reinterpret_cast<uint4*>(kh + row * kLdK + n0 + kHalf);
+    if (row >= m) {
+      *lo = make_uint4(0u, 0u, 0u, 0u);
+      *hi = make_uint4(0u, 0u, 0u, 0u);
+      continue;
+    }
+    const int t = row / kR, r = row % kR;
+    uint4 a = *lo, b = *hi;
+    const uint4 ba = *reinterpret_cast<const uint4*>(bias + r * kN + n0);
+    const uint4 bb = *reinterpret_cast<const uint4*>(bias + r * kN + n0 + kHalf);
+    uint32_t* aw = &a.x;
+    uint32_t* bw = &b.x;
+    const uint32_t* baw = &ba.x;
+    const uint32_t* bbw = &bb.x;
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      aw[q] = half2_bits(__hadd2(bits_half2(aw[q]), bits_half2(baw[q])));
+      bw[q] = half2_bits(__hadd2(bits_half2(bw[q]), bits_half2(bbw[q])));
+    }
+    if (n0 < ldr) {
+      const uint4 c4 = *reinterpret_cast<const uint4*>(cs + t * ldr + n0);
+      const uint4 s4 = *reinterpret_cast<const uint4*>(sn + t * ldr + n0);
+      const uint32_t* cw = &c4.x;
+      const uint32_t* sw = &s4.x;
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        __half2 v0, v1;
+        rotate_h2(bits_half2(aw[q]), bits_half2(bw[q]), bits_half2(cw[q]), bits_half2(sw[q]), v0, v1);
+        aw[q] = half2_bits(v0);
+        bw[q] = half2_bits(v1);
+      }
+    }
+    if constexpr (kToBf16) {
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        aw[q] = f16x2_to_bf16x2(aw[q]);
+        bw[q] = f16x2_to_bf16x2(bw[q]);
+      }
+    }
+    *lo = a;
+    *hi = b;
+  }
 }
 
 // acc[nt] += Q (this warp's rows, qf) . Bt[rows nt * 8 .. + 7]^T for nt < count (even), with
