@@ -4,6 +4,7 @@
 // prefill scan; the interface is kernels/prefill_scan.cuh.
 #pragma once
 
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <cstddef>
@@ -83,6 +84,15 @@ __device__ __forceinline__ void chunk_token_terms(const PrefillScanArgs& a, cons
     }
     carry += __shfl_sync(0xffffffffu, v, 31);
   }
+}
+
+// Two adjacent entries of a chunk's delta, in the operand type: the bf16 kernels' deltas are
+// rounded as their S~ is, which halves what the state pass reads.
+__device__ __forceinline__ void store_delta_pair(float* p, float v0, float v1) {
+  *reinterpret_cast<float2*>(p) = make_float2(v0, v1);
+}
+__device__ __forceinline__ void store_delta_pair(__nv_bfloat16* p, float v0, float v1) {
+  *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(v0, v1);
 }
 
 // Entries i0, i1 of row (t, r) of k (B, B_bias) or q (C, C_bias) after bias and rotation:

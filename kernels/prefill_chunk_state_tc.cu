@@ -120,7 +120,7 @@ __global__ void __launch_bounds__(kThreads) prefill_chunk_state_tc_kernel(const 
   __syncthreads();  // k and XvW are in
 
   const int p_tiles = P / 16, jobs = p_tiles * ((kN + 63) / 64);
-  float* delta = a.ws.chunk_delta + ((int64_t)c * H + h) * P * kN;
+  __nv_bfloat16* delta = static_cast<__nv_bfloat16*>(a.ws.chunk_delta) + ((int64_t)c * H + h) * P * kN;
   for (int job = warp; job < jobs; job += kThreads / 32) {
     const int pt = job % p_tiles, ng = job / p_tiles;
     const int nts = min(8, kN / 8 - ng * 8);  // 8-column tiles of this group (4 when N is 32 or 96's last)
@@ -151,8 +151,8 @@ __global__ void __launch_bounds__(kThreads) prefill_chunk_state_tc_kernel(const 
     for (int nt = 0; nt < 8; ++nt) {
       if (nt < nts) {
         const int p = pt * 16 + g, n = ng * 64 + nt * 8 + 2 * cq;
-        *reinterpret_cast<float2*>(delta + (int64_t)p * kN + n) = make_float2(acc[nt][0], acc[nt][1]);
-        *reinterpret_cast<float2*>(delta + (int64_t)(p + 8) * kN + n) = make_float2(acc[nt][2], acc[nt][3]);
+        store_delta_pair(delta + (int64_t)p * kN + n, acc[nt][0], acc[nt][1]);
+        store_delta_pair(delta + (int64_t)(p + 8) * kN + n, acc[nt][2], acc[nt][3]);
       }
     }
   }

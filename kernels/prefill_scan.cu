@@ -278,7 +278,7 @@ __global__ void __launch_bounds__(kStateThreads) prefill_chunk_state_kernel(cons
   fill_xv_transposed<Op>(a, cp, h, wts, m16, xvw_t, Sm::kLdRows, kStateThreads);
   __syncthreads();
 
-  float* delta = a.ws.chunk_delta + ((int64_t)c * H + h) * P * N;
+  Op* delta = static_cast<Op*>(a.ws.chunk_delta) + ((int64_t)c * H + h) * P * N;
   const int groups = (N + 63) / 64, jobs = (P / 16) * groups;
   const int g = lane >> 2, cq = lane & 3;
   for (int job = warp; job < jobs; job += kStateThreads / 32) {
@@ -291,8 +291,8 @@ __global__ void __launch_bounds__(kStateThreads) prefill_chunk_state_kernel(cons
     for (int nt = 0; nt < 8; ++nt) {
       if (nt < nt_limit) {
         const int p = rt * 16 + g, n = ng * 64 + nt * 8 + 2 * cq;
-        *reinterpret_cast<float2*>(delta + (int64_t)p * N + n) = make_float2(acc[nt][0], acc[nt][1]);
-        *reinterpret_cast<float2*>(delta + (int64_t)(p + 8) * N + n) = make_float2(acc[nt][2], acc[nt][3]);
+        store_delta_pair(delta + (int64_t)p * N + n, acc[nt][0], acc[nt][1]);
+        store_delta_pair(delta + (int64_t)(p + 8) * N + n, acc[nt][2], acc[nt][3]);
       }
     }
   }
@@ -308,6 +308,8 @@ __device__ __forceinline__ void store4(__nv_bfloat16* p, float4 v) {
   *reinterpret_cast<uint2*>(p) = bits;
 }
 __device__ __forceinline__ void store4(float* p, float4 v) { *reinterpret_cast<float4*>(p) = v; }
+__device__ __forceinline__ float4 load4(const __nv_bfloat16* p) { return widen_bf16x4(*reinterpret_cast<const uint2*>(p)); }
+__device__ __forceinline__ float4 load4(const float* p) { return *reinterpret_cast<const float4*>(p); }
 
 // Four consecutive state entries of one row per thread, through the run's chunks in order.
 template <typename Op>
@@ -346,6 +348,7 @@ __global__ void __launch_bounds__(kStateThreads) prefill_state_pass_kernel(const
   }
   const int c0 = a.runs.chunk_begin[run], c1 = a.runs.chunk_begin[run + 1];
   Op* state_in = static_cast<Op*>(a.ws.chunk_state_in);
+  const Op* deltas = static_cast<const Op*>(a.ws.chunk_delta);
   const int64_t head_at = (int64_t)h * P * N + (int64_t)p * N + n, chunk_floats = (int64_t)H * P * N;
   // Each chunk's inputs are loaded kAhead chunks before they are used (the stores between
   // would otherwise hold every load back to one round trip a chunk).
@@ -355,7 +358,7 @@ __global__ void __launch_bounds__(kStateThreads) prefill_state_pass_kernel(const
 #pragma unroll
   for (int k = 0; k < kAhead; ++k) {
     if (c0 + k < c1) {
-      d_next[k] = *reinterpret_cast<const float4*>(a.ws.chunk_delta + (c0 + k) * chunk_floats + head_at);
+      d_next[k] = load4(deltas + (c0 + k) * chunk_floats + head_at);
       l_next[k] = a.ws.chunk_log_decay[(int64_t)(c0 + k) * H + h];
     }
   }
@@ -367,7 +370,7 @@ __global__ void __launch_bounds__(kStateThreads) prefill_state_pass_kernel(const
         const float4 d = d_next[k];
         const float decay = expf(l_next[k]);
         if (cc + kAhead < c1) {
-          d_next[k] = *reinterpret_cast<const float4*>(a.ws.chunk_delta + (cc + kAhead) * chunk_floats + head_at);
+          d_next[k] = load4(deltas + (cc + kAhead) * chunk_floats + head_at);
           l_next[k] = a.ws.chunk_log_decay[(int64_t)(cc + kAhead) * H + h];
         }
         store4(state_in + cc * chunk_floats + head_at, s);
@@ -612,8 +615,7 @@ size_t prefill_scan_workspace_bytes(const PrefillScanDims& d, int max_tokens, in
   const size_t C = prefill_max_chunks(max_tokens, max_runs, prefill_chunk_tokens(d));
   const size_t op = d.precision == ScanPrecision::Fp32 ? 4 : 2;
   return 4 * align256(4 * T * H) + 2 * align256(4 * T * R * N) + 2 * align256(2 * T * R * N) +
-         align256(8 * T * H * S) + align256(4 * C * H) +
-         align256(4 * C * H * P * N) + align256(op * C * H * P * N);
+         align256(8 * T * H * S) + align256(4 * C * H) + 2 * align256(op * C * H * P * N);
 }
 
 PrefillScanWorkspace prefill_scan_workspace(const PrefillScanDims& d, int max_tokens, int max_runs, void* base) {
@@ -636,8 +638,9 @@ PrefillScanWorkspace prefill_scan_workspace(const PrefillScanDims& d, int max_to
   w.c_norm_h = reinterpret_cast<__half*>(take(2 * T * R * N));
   w.rot = reinterpret_cast<float2*>(take(8 * T * H * S));
   w.chunk_log_decay = reinterpret_cast<float*>(take(4 * C * H));
-  w.chunk_delta = reinterpret_cast<float*>(take(4 * C * H * P * N));
-  w.chunk_state_in = take((d.precision == ScanPrecision::Fp32 ? 4 : 2) * C * H * P * N);
+  const size_t op = d.precision == ScanPrecision::Fp32 ? 4 : 2;
+  w.chunk_delta = take(op * C * H * P * N);
+  w.chunk_state_in = take(op * C * H * P * N);
   return w;
 }
 

@@ -34,7 +34,9 @@
 //
 // Precision: Bf16TensorCores rounds the products' operands (q, k, xv, the masked Q K^T and
 // the incoming state) to bf16 with fp32 accumulation, for bf16-weight engines (logits
-// within 3e-2); Fp32 computes the same products with fp32 FMAs in the same fragment layout
+// within 3e-2), and stores each chunk's dS in bf16 too (the state pass sums them into the
+// slot's state in fp32: one rounding of 2^-9 a chunk, where the bf16 state option rounds at
+// every step); Fp32 computes the same products with fp32 FMAs in the same fragment layout
 // (tf32 operands would lose 2^-11 per term, too close to the fp32 engine's 1e-3 budget once
 // summed over hundreds of tokens), with smaller chunks to fit shared memory.
 //
@@ -124,8 +126,9 @@ struct PrefillScanWorkspace {
   __half* c_norm_h = nullptr;  // [T][R][N]
   float2* rot = nullptr;       // [T][H][S] cos, sin of theta_t
   float* chunk_log_decay = nullptr;  // [chunks][H] sum of a over the chunk
-  float* chunk_delta = nullptr;      // [chunks][H][P][N] the chunk's own contribution
-  void* chunk_state_in = nullptr;    // [chunks][H][P][N] S~ entering the chunk (bf16 or fp32)
+  // [chunks][H][P][N], both in the operand type (bf16 or fp32):
+  void* chunk_delta = nullptr;     // the chunk's own contribution
+  void* chunk_state_in = nullptr;  // S~ entering the chunk
 };
 size_t prefill_scan_workspace_bytes(const PrefillScanDims& d, int max_tokens, int max_runs);
 PrefillScanWorkspace prefill_scan_workspace(const PrefillScanDims& d, int max_tokens, int max_runs, void* base);
