@@ -181,7 +181,6 @@ __global__ void __launch_bounds__(kParamThreads) prefill_token_params_kernel(con
 constexpr int kAngleThreads = 1024;
 constexpr int kAngleGroup = 8;
 constexpr int kAngleSegments = kAngleThreads / kAngleGroup;  // 128
-constexpr int kAngleCache = 16;  // increments a thread keeps between the two passes
 __device__ __forceinline__ float angle_increment(const PrefillScanArgs& a, int t, int h, int s) {
   return tanhf(a.w[(int64_t)t * a.w_stride + a.off_ang + s]) * a.ws.tok_dt[(int64_t)t * a.dims.heads + h] * kPi;
 }
@@ -202,22 +201,10 @@ __global__ void __launch_bounds__(kAngleThreads) prefill_angles_kernel(const Sca
   const float theta0 = mine ? angle[(int64_t)parity * H * S + s] : 0.f;
   wait_for_previous_kernel();  // dt is the token-params kernel's
   allow_next_kernel();
-  // Segments of at most kAngleCache tokens (runs up to 2048 tokens) keep their increments in
-  // registers between the two passes, so each tanh and its loads happen once.
-  const bool cached = seg <= kAngleCache;
-  float inc[kAngleCache];
   float sum = 0.f;
   if (mine) {
-    if (cached) {
-#pragma unroll
-      for (int i = 0; i < kAngleCache; ++i) {
-        inc[i] = b0 + i < b1 ? angle_increment(a, b0 + i, h, s) : 0.f;
-        sum += inc[i];
-      }
-    } else {
 #pragma unroll 8
-      for (int t = b0; t < b1; ++t) sum += angle_increment(a, t, h, s);
-    }
+    for (int t = b0; t < b1; ++t) sum += angle_increment(a, t, h, s);
   }
   totals[segment][threadIdx.x % kAngleGroup] = sum;
   __syncthreads();  // every segment's total is in, every old angle read
@@ -225,20 +212,12 @@ __global__ void __launch_bounds__(kAngleThreads) prefill_angles_kernel(const Sca
   const int g = threadIdx.x % kAngleGroup;
   float theta = theta0;
   for (int w = 0; w < segment; ++w) theta += totals[w][g];
-  auto emit = [&](int t, float increment) {
-    theta += increment;
+#pragma unroll 4
+  for (int t = b0; t < b1; ++t) {
+    theta += angle_increment(a, t, h, s);
     float sn, cs;
     sincosf(theta, &sn, &cs);
     a.ws.rot[((int64_t)t * H + h) * S + s] = make_float2(cs, sn);
-  };
-  if (cached) {
-#pragma unroll
-    for (int i = 0; i < kAngleCache; ++i) {
-      if (b0 + i < b1) emit(b0 + i, inc[i]);
-    }
-  } else {
-#pragma unroll 4
-    for (int t = b0; t < b1; ++t) emit(t, angle_increment(a, t, h, s));
   }
   if (segment == kAngleSegments - 1) {
     // The last segment's theta is the run's end only when it reaches it; the sum of every
