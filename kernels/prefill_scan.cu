@@ -131,7 +131,8 @@ __device__ __forceinline__ void fill_xv_transposed(const PrefillScanArgs& a, con
 }
 
 // ---- 1. token params --------------------------------------------------------------------
-constexpr int kParamThreads = 128;
+// A warp for each of B's and C's 2R rows at rank 4, so that no warp walks two in turn.
+constexpr int kParamThreads = 256;
 __global__ void __launch_bounds__(kParamThreads) prefill_token_params_kernel(const ScanParams prm) {
   const PrefillScanArgs& a = prm.a;
   const int t = blockIdx.x;
@@ -287,8 +288,19 @@ __device__ __forceinline__ void store4(__nv_bfloat16* p, float4 v) {
   *reinterpret_cast<uint2*>(p) = bits;
 }
 __device__ __forceinline__ void store4(float* p, float4 v) { *reinterpret_cast<float4*>(p) = v; }
-__device__ __forceinline__ float4 load4(const __nv_bfloat16* p) { return widen_bf16x4(*reinterpret_cast<const uint2*>(p)); }
-__device__ __forceinline__ float4 load4(const float* p) { return *reinterpret_cast<const float4*>(p); }
+// Four consecutive entries of Op as one load brings them in, and widened to fp32.
+template <typename Op>
+struct Quad;
+template <>
+struct Quad<float> {
+  using Bits = float4;
+  static __device__ __forceinline__ float4 widen(float4 v) { return v; }
+};
+template <>
+struct Quad<__nv_bfloat16> {
+  using Bits = uint2;
+  static __device__ __forceinline__ float4 widen(uint2 v) { return widen_bf16x4(v); }
+};
 
 // Four consecutive state entries of one row per thread, through the run's chunks in order.
 template <typename Op>
@@ -330,14 +342,17 @@ __global__ void __launch_bounds__(kStateThreads) prefill_state_pass_kernel(const
   const Op* deltas = static_cast<const Op*>(a.ws.chunk_delta);
   const int64_t head_at = (int64_t)h * P * N + (int64_t)p * N + n, chunk_floats = (int64_t)H * P * N;
   // Each chunk's inputs are loaded kAhead chunks before they are used (the stores between
-  // would otherwise hold every load back to one round trip a chunk).
-  constexpr int kAhead = 8;
-  float4 d_next[kAhead];
+  // would otherwise hold every load back to one round trip a chunk), 128 bytes a thread in
+  // flight whatever the delta type: a run's chunks are a chain, so at one run a call the
+  // grid is too small to hide the memory's latency by its warps alone.
+  using Bits = typename Quad<Op>::Bits;
+  constexpr int kAhead = 128 / sizeof(Bits);
+  Bits d_next[kAhead];
   float l_next[kAhead];
 #pragma unroll
   for (int k = 0; k < kAhead; ++k) {
     if (c0 + k < c1) {
-      d_next[k] = load4(deltas + (c0 + k) * chunk_floats + head_at);
+      d_next[k] = *reinterpret_cast<const Bits*>(deltas + (c0 + k) * chunk_floats + head_at);
       l_next[k] = a.ws.chunk_log_decay[(int64_t)(c0 + k) * H + h];
     }
   }
@@ -346,10 +361,10 @@ __global__ void __launch_bounds__(kStateThreads) prefill_state_pass_kernel(const
     for (int k = 0; k < kAhead; ++k) {
       const int cc = c + k;
       if (cc < c1) {
-        const float4 d = d_next[k];
+        const float4 d = Quad<Op>::widen(d_next[k]);
         const float decay = expf(l_next[k]);
         if (cc + kAhead < c1) {
-          d_next[k] = load4(deltas + (cc + kAhead) * chunk_floats + head_at);
+          d_next[k] = *reinterpret_cast<const Bits*>(deltas + (cc + kAhead) * chunk_floats + head_at);
           l_next[k] = a.ws.chunk_log_decay[(int64_t)(cc + kAhead) * H + h];
         }
         store4(state_in + cc * chunk_floats + head_at, s);
