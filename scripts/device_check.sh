@@ -14,7 +14,8 @@
 #            PREFILL_FLAG_SETS: ';'-separated sets of flags, a chunked run each)
 #   prefill_trace  each kernel's time in a chunked prefill (CUPTI), 2048 tokens at batch 1, 8
 #                  (PREFILL_TRACE_RUNS: other LENxBATCH pairs; PREFILL_TRACE_FLAGS: more m3bench
-#                  flags, such as --cuda-pdl false for each kernel's time without overlap)
+#                  flags, such as --cuda-pdl false for each kernel's time without overlap;
+#                  PREFILL_TRACE_VARIANTS=1: each packed m3bench_VARIANT's too)
 #   prefill_ncu    Nsight Compute on one launch of each chunked-prefill kernel
 #   prefill_sass   Nsight Compute source counters of the chunk kernels: per-SASS-instruction
 #                  stall samples as CSV (prefill_sass_*.csv.gz) for scripts/sass_hotspots.py
@@ -180,17 +181,22 @@ run_prefill() {
 # m3bench prefill (chunked) under the CUPTI kernel trace: each kernel's time, 2048 tokens
 # at batch 1 and 8 (scripts/kernel_trace_totals.py sums it by kernel).
 # PREFILL_TRACE_RUNS: LENxBATCH pairs (default 2048x1 2048x8).
+# PREFILL_TRACE_VARIANTS=1: each packed m3bench_VARIANT too (files named _VARIANT).
 run_prefill_trace() {
-  local run len b
+  local run len b bin name bins=$DEV/bin/m3bench
+  [[ -n ${PREFILL_TRACE_VARIANTS:-} ]] && for bin in "$DEV"/bin/m3bench_*; do [[ -x $bin ]] && bins+=" $bin"; done
   for run in ${PREFILL_TRACE_RUNS:-2048x1 2048x8}; do
     len=${run%x*} b=${run#*x}
-    # shellcheck disable=SC2086  # the flags are words
-    M3_TRACE_OUT="$OUT/prefill_trace_${len}_b$b.csv" CUDA_INJECTION64_PATH="$DEV/lib/libm3_kernel_trace.so" \
-        LD_LIBRARY_PATH="$LD_LIBRARY_PATH:/usr/local/cuda/extras/CUPTI/lib64" \
-        timeout 120 "$DEV/bin/m3bench" prefill --config $CONFIG --len "$len" --batch "$b" --iters 3 \
-        --cuda-prefill chunked ${PREFILL_TRACE_FLAGS:-} >"$OUT/prefill_trace_${len}_b$b.txt" 2>&1 || fail "prefill trace $run"
-    [[ -s $OUT/prefill_trace_${len}_b$b.csv ]] && python3 "$ROOT/scripts/kernel_trace_totals.py" \
-        "$OUT/prefill_trace_${len}_b$b.csv" 2>&1 | head -40
+    for bin in $bins; do
+      name=prefill_trace_${len}_b$b${bin##*/m3bench}
+      echo "==== $name"
+      # shellcheck disable=SC2086  # the flags are words
+      M3_TRACE_OUT="$OUT/$name.csv" CUDA_INJECTION64_PATH="$DEV/lib/libm3_kernel_trace.so" \
+          LD_LIBRARY_PATH="$LD_LIBRARY_PATH:/usr/local/cuda/extras/CUPTI/lib64" \
+          timeout 120 "$bin" prefill --config $CONFIG --len "$len" --batch "$b" --iters 3 \
+          --cuda-prefill chunked ${PREFILL_TRACE_FLAGS:-} >"$OUT/$name.txt" 2>&1 || fail "prefill trace $run ${bin##*/}"
+      [[ -s $OUT/$name.csv ]] && python3 "$ROOT/scripts/kernel_trace_totals.py" "$OUT/$name.csv" 2>&1 | head -40
+    done
   done
 }
 
