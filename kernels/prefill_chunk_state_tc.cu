@@ -156,7 +156,7 @@ __global__ void __launch_bounds__(kThreads) prefill_chunk_state_tc_kernel(const 
       }
     }
   }
-  if (threadIdx.x == 0) a.ws.chunk_log_decay[(int64_t)c * H + h] = reinterpret_cast<const float*>(base + sm.terms)[cp.len - 1];
+  if (threadIdx.x == 0) a.ws.chunk_decay[(int64_t)c * H + h] = expf(reinterpret_cast<const float*>(base + sm.terms)[cp.len - 1]);
 }
 
 }  // namespace

@@ -276,7 +276,7 @@ __global__ void __launch_bounds__(kStateThreads) prefill_chunk_state_kernel(cons
       }
     }
   }
-  if (threadIdx.x == 0) a.ws.chunk_log_decay[(int64_t)c * H + h] = L[cp.len - 1];
+  if (threadIdx.x == 0) a.ws.chunk_decay[(int64_t)c * H + h] = expf(L[cp.len - 1]);
 }
 
 // ---- 4. state pass ------------------------------------------------------------------------
@@ -348,12 +348,12 @@ __global__ void __launch_bounds__(kStateThreads) prefill_state_pass_kernel(const
   using Bits = typename Quad<Op>::Bits;
   constexpr int kAhead = 128 / sizeof(Bits);
   Bits d_next[kAhead];
-  float l_next[kAhead];
+  float decay_next[kAhead];
 #pragma unroll
   for (int k = 0; k < kAhead; ++k) {
     if (c0 + k < c1) {
       d_next[k] = *reinterpret_cast<const Bits*>(deltas + (c0 + k) * chunk_floats + head_at);
-      l_next[k] = a.ws.chunk_log_decay[(int64_t)(c0 + k) * H + h];
+      decay_next[k] = a.ws.chunk_decay[(int64_t)(c0 + k) * H + h];
     }
   }
   for (int c = c0; c < c1; c += kAhead) {
@@ -362,10 +362,10 @@ __global__ void __launch_bounds__(kStateThreads) prefill_state_pass_kernel(const
       const int cc = c + k;
       if (cc < c1) {
         const float4 d = Quad<Op>::widen(d_next[k]);
-        const float decay = expf(l_next[k]);
+        const float decay = decay_next[k];
         if (cc + kAhead < c1) {
           d_next[k] = *reinterpret_cast<const Bits*>(deltas + (cc + kAhead) * chunk_floats + head_at);
-          l_next[k] = a.ws.chunk_log_decay[(int64_t)(cc + kAhead) * H + h];
+          decay_next[k] = a.ws.chunk_decay[(int64_t)(cc + kAhead) * H + h];
         }
         store4(state_in + cc * chunk_floats + head_at, s);
         s.x = fmaf(decay, s.x, d.x); s.y = fmaf(decay, s.y, d.y); s.z = fmaf(decay, s.z, d.z); s.w = fmaf(decay, s.w, d.w);
@@ -631,7 +631,7 @@ PrefillScanWorkspace prefill_scan_workspace(const PrefillScanDims& d, int max_to
   w.b_norm_h = reinterpret_cast<__half*>(take(2 * T * R * N));
   w.c_norm_h = reinterpret_cast<__half*>(take(2 * T * R * N));
   w.rot = reinterpret_cast<float2*>(take(8 * T * H * S));
-  w.chunk_log_decay = reinterpret_cast<float*>(take(4 * C * H));
+  w.chunk_decay = reinterpret_cast<float*>(take(4 * C * H));
   const size_t op = d.precision == ScanPrecision::Fp32 ? 4 : 2;
   w.chunk_delta = take(op * C * H * P * N);
   w.chunk_state_in = take(op * C * H * P * N);

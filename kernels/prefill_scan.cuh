@@ -125,7 +125,7 @@ struct PrefillScanWorkspace {
   __half* b_norm_h = nullptr;  // [T][R][N]
   __half* c_norm_h = nullptr;  // [T][R][N]
   float2* rot = nullptr;       // [T][H][S] cos, sin of theta_t
-  float* chunk_log_decay = nullptr;  // [chunks][H] sum of a over the chunk
+  float* chunk_decay = nullptr;  // [chunks][H] exp of the sum of a over the chunk
   // [chunks][H][P][N], both in the operand type (bf16 or fp32):
   void* chunk_delta = nullptr;     // the chunk's own contribution
   void* chunk_state_in = nullptr;  // S~ entering the chunk

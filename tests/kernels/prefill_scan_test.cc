@@ -177,8 +177,8 @@ void run_call(const GpuCase& c, const std::vector<int>& lengths, const std::vect
       }
       EXPECT_LE(worst, 2e-3) << "cos/sin of the angles";
     }
-    EXPECT_LE(twin::max_rel_diff(floats_of(a.ws.chunk_log_decay, c0 * H, nc * H), tr.chunk_log_decay), 1e-5)
-        << "chunk_log_decay";
+    EXPECT_LE(twin::max_rel_diff(floats_of(a.ws.chunk_decay, c0 * H, nc * H), tr.chunk_decay), 1e-5)
+        << "chunk_decay";
     std::vector<double> state_in(nc * H * PN);
     if (fp32) {
       state_in = floats_of(static_cast<const float*>(a.ws.chunk_state_in), c0 * H * PN, nc * H * PN);

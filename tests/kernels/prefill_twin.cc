@@ -182,7 +182,7 @@ void chunked_run(const ScanDims& d, const ScanParams& p, const InProjSplit& s, c
         std::copy(b.begin(), b.end(), trace->b_norm.begin() + (static_cast<size_t>(t) * R + r) * N);
         std::copy(c.begin(), c.end(), trace->c_norm.begin() + (static_cast<size_t>(t) * R + r) * N);
       }
-    trace->chunk_log_decay.assign(static_cast<size_t>(chunks) * H, 0);
+    trace->chunk_decay.assign(static_cast<size_t>(chunks) * H, 0);
     trace->chunk_state_in.assign(static_cast<size_t>(chunks) * H * P * N, 0);
   }
   for (int h = 0; h < H; ++h) {
@@ -234,7 +234,7 @@ void chunked_run(const ScanDims& d, const ScanParams& p, const InProjSplit& s, c
       }
       if (trace != nullptr) {
         const size_t ch = static_cast<size_t>(c0 / chunk_tokens) * H + h;
-        trace->chunk_log_decay[ch] = L[len - 1];
+        trace->chunk_decay[ch] = std::exp(L[len - 1]);
         std::copy(Sst.begin(), Sst.end(), trace->chunk_state_in.begin() + ch * P * N);
       }
       // Chunk output (kernel 5): inherited, masked intra-chunk and D terms.

@@ -45,7 +45,7 @@ struct ChunkTrace {
   std::vector<double> tok_a, tok_gamma, tok_bterm, tok_dt;  // [T][H]
   std::vector<double> theta;                                // [T][H][S]
   std::vector<double> b_norm, c_norm;                       // [T][R][N]
-  std::vector<double> chunk_log_decay;                      // [chunks][H]
+  std::vector<double> chunk_decay;                          // [chunks][H] exp of the chunk's sum of a
   std::vector<double> chunk_state_in;                       // [chunks][H][P][N] S~ entering each chunk
 };
 
