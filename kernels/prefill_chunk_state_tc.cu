@@ -164,12 +164,8 @@ __global__ void __launch_bounds__(kThreads) prefill_chunk_state_tc_kernel(const 
 int chunk_state_tc_smem_bytes(const PrefillScanDims& d) { return state_smem(d).bytes; }
 
 void prepare_chunk_state_tc() {
-  // The plan's size depends on the head shape; the limit is the most any shape may use,
-  // and chunk_tc_applies keeps shapes whose plan is larger on the general kernels.
-  for_every_head_shape([&]<int kH2, int kR>() {
-    set_chunk_kernel_smem_limit(reinterpret_cast<const void*>(prefill_chunk_state_tc_kernel<kH2, kR>),
-                                kMaxSharedBytesPerBlock, "prefill chunk state kernel");
-  });
+  set_every_shape_smem_limit([&]<int kH2, int kR>() { return prefill_chunk_state_tc_kernel<kH2, kR>; },
+                             "prefill chunk state kernel");
 }
 
 }  // namespace m3::kernels::prefill_detail::tc
@@ -177,12 +173,8 @@ void prepare_chunk_state_tc() {
 namespace m3::kernels::prefill_detail {
 
 void launch_chunk_state_tc(const ScanParams& prm, cudaStream_t stream) {
-  tc::for_head_shape(prm.a.dims, [&]<int kH2, int kR>() {
-    const dim3 grid(prm.a.runs.n_chunks, prm.a.dims.heads);
-    const tc::StateSmem sm = tc::state_smem(prm.a.dims);
-    launch_scan_kernel(tc::prefill_chunk_state_tc_kernel<kH2, kR>, grid, tc::kThreads, sm.bytes, stream, prm.a.pdl,
-                       prm, sm);
-  });
+  tc::launch_chunk_kernel(prm, tc::state_smem(prm.a.dims), stream,
+                          [&]<int kH2, int kR>() { return tc::prefill_chunk_state_tc_kernel<kH2, kR>; });
 }
 
 }  // namespace m3::kernels::prefill_detail

@@ -185,8 +185,8 @@ __device__ __forceinline__ void rotate_h2(__half2 x0, __half2 x1, __half2 c, __h
   v1 = __hfma2(x0, s, __hmul2(x1, c));
 }
 
-// The type of the 16-bit operands of q_times_rows.
-enum class Operands { Bf16, F16, F16AsBf16 };
+// The type of the 16-bit operands of q_times_rows (q is always fp16).
+enum class Operands { F16, F16AsBf16 };
 
 __device__ __forceinline__ uint32_t f16x2_to_bf16x2(uint32_t bits) {
   const float2 f = half2_bits_to_float2(bits);
@@ -250,8 +250,8 @@ __device__ __forceinline__ void rotate_k_in_place(__half* kh, const __half* bias
 
 // acc[nt] += Q (this warp's rows, qf) . Bt[rows nt * 8 .. + 7]^T for nt < count (even), with
 // Bt [rows][ld] 16-bit, one row per output column (S~ for the inherited state, k for G).
-// kOps: both operands bf16, both fp16, or q fp16 and Bt bf16 (each q fragment converted as
-// it is used, so no second copy of q lives in registers). Rows of Bt are the B operand's
+// kOps: both operands fp16, or q fp16 and Bt bf16 (each q fragment converted as it is
+// used, so no second copy of q lives in registers). Rows of Bt are the B operand's
 // columns: one ldmatrix.x4 gives tiles nt and nt + 1.
 template <int kH2, int NT, Operands kOps>
 __device__ __forceinline__ void q_times_rows(float (&acc)[NT][4], const uint32_t (&qf)[2][kH2][4], const void* bt,
@@ -322,6 +322,28 @@ void for_every_head_shape(F&& f) {
   ranks.template operator()<2>();
   ranks.template operator()<3>();
   ranks.template operator()<4>();
+}
+
+// Load time, for a chunk kernel given as kernel_of.template operator()<kH2, kR>() (its
+// instance for that head shape): every instance may take the most shared memory any shape
+// uses, since the plan depends on the shape and chunk_tc_applies keeps shapes whose plan is
+// larger on the general kernels.
+template <typename KernelOf>
+void set_every_shape_smem_limit(KernelOf&& kernel_of, const char* name) {
+  for_every_head_shape([&]<int kH2, int kR>() {
+    set_chunk_kernel_smem_limit(reinterpret_cast<const void*>(kernel_of.template operator()<kH2, kR>()),
+                                kMaxSharedBytesPerBlock, name);
+  });
+}
+
+// A chunk kernel's launch over the call's chunks and heads, for the head shape's instance
+// (kernel_of as above) and its shared-memory plan `sm`, passed beside the parameters.
+template <typename KernelOf, typename Plan>
+void launch_chunk_kernel(const ScanParams& prm, const Plan& sm, cudaStream_t stream, KernelOf&& kernel_of) {
+  for_head_shape(prm.a.dims, [&]<int kH2, int kR>() {
+    const dim3 grid(prm.a.runs.n_chunks, prm.a.dims.heads);
+    launch_scan_kernel(kernel_of.template operator()<kH2, kR>(), grid, kThreads, sm.bytes, stream, prm.a.pdl, prm, sm);
+  });
 }
 
 // Per kernel (kernels/prefill_chunk_state_tc.cu, kernels/prefill_chunk_output_tc.cu): the
