@@ -604,37 +604,46 @@ int fill_prefill_runs(std::span<const int32_t> lengths, int chunk_tokens, int32_
   return chunk_begin[lengths.size()];
 }
 
-size_t prefill_scan_workspace_bytes(const PrefillScanDims& d, int max_tokens, int max_runs) {
+namespace {
+
+// Carves the workspace from `base` into *w and returns the bytes it takes, so that the size
+// and the layout cannot disagree (base 0 and w unread: only the size).
+size_t lay_out_workspace(const PrefillScanDims& d, int max_tokens, int max_runs, uintptr_t base,
+                         PrefillScanWorkspace* w) {
   const size_t T = max_tokens, H = d.heads, R = d.rank, N = d.d_state, P = d.headdim, S = d.n_angles;
   const size_t C = prefill_max_chunks(max_tokens, max_runs, prefill_chunk_tokens(d));
   const size_t op = d.precision == ScanPrecision::Fp32 ? 4 : 2;
-  return 4 * align256(4 * T * H) + 2 * align256(4 * T * R * N) + 2 * align256(2 * T * R * N) +
-         align256(8 * T * H * S) + align256(4 * C * H) + 2 * align256(op * C * H * P * N);
-}
-
-PrefillScanWorkspace prefill_scan_workspace(const PrefillScanDims& d, int max_tokens, int max_runs, void* base) {
-  const size_t T = max_tokens, H = d.heads, R = d.rank, N = d.d_state, P = d.headdim, S = d.n_angles;
-  const size_t C = prefill_max_chunks(max_tokens, max_runs, prefill_chunk_tokens(d));
-  char* at = static_cast<char*>(base);
+  uintptr_t at = base;
   auto take = [&](size_t bytes) {
-    char* p = at;
+    void* p = reinterpret_cast<void*>(at);
     at += align256(bytes);
     return p;
   };
+  w->tok_a = static_cast<float*>(take(4 * T * H));
+  w->tok_gamma = static_cast<float*>(take(4 * T * H));
+  w->tok_bterm = static_cast<float*>(take(4 * T * H));
+  w->tok_dt = static_cast<float*>(take(4 * T * H));
+  w->b_norm = static_cast<float*>(take(4 * T * R * N));
+  w->c_norm = static_cast<float*>(take(4 * T * R * N));
+  w->b_norm_h = static_cast<__half*>(take(2 * T * R * N));
+  w->c_norm_h = static_cast<__half*>(take(2 * T * R * N));
+  w->rot = static_cast<float2*>(take(8 * T * H * S));
+  w->chunk_decay = static_cast<float*>(take(4 * C * H));
+  w->chunk_delta = take(op * C * H * P * N);
+  w->chunk_state_in = take(op * C * H * P * N);
+  return at - base;
+}
+
+}  // namespace
+
+size_t prefill_scan_workspace_bytes(const PrefillScanDims& d, int max_tokens, int max_runs) {
+  PrefillScanWorkspace unused;
+  return lay_out_workspace(d, max_tokens, max_runs, 0, &unused);
+}
+
+PrefillScanWorkspace prefill_scan_workspace(const PrefillScanDims& d, int max_tokens, int max_runs, void* base) {
   PrefillScanWorkspace w;
-  w.tok_a = reinterpret_cast<float*>(take(4 * T * H));
-  w.tok_gamma = reinterpret_cast<float*>(take(4 * T * H));
-  w.tok_bterm = reinterpret_cast<float*>(take(4 * T * H));
-  w.tok_dt = reinterpret_cast<float*>(take(4 * T * H));
-  w.b_norm = reinterpret_cast<float*>(take(4 * T * R * N));
-  w.c_norm = reinterpret_cast<float*>(take(4 * T * R * N));
-  w.b_norm_h = reinterpret_cast<__half*>(take(2 * T * R * N));
-  w.c_norm_h = reinterpret_cast<__half*>(take(2 * T * R * N));
-  w.rot = reinterpret_cast<float2*>(take(8 * T * H * S));
-  w.chunk_decay = reinterpret_cast<float*>(take(4 * C * H));
-  const size_t op = d.precision == ScanPrecision::Fp32 ? 4 : 2;
-  w.chunk_delta = take(op * C * H * P * N);
-  w.chunk_state_in = take(op * C * H * P * N);
+  lay_out_workspace(d, max_tokens, max_runs, reinterpret_cast<uintptr_t>(base), &w);
   return w;
 }
 
