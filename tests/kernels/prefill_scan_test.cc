@@ -9,6 +9,7 @@
 #include <cstring>
 #include <ostream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "gpu_test_util.h"
@@ -368,6 +369,39 @@ TEST(PrefillScanHost, RunTableCountsChunksAndRefusesEmptyRuns) {
             }).find("run 1 has 0 tokens"),
             std::string::npos);
   EXPECT_LE(4, kernels::prefill_max_chunks(66, 3, 32));
+}
+
+// The workspace's areas lie inside the bytes it asks for, 256-byte aligned and apart, sized
+// for the largest call: the chunks' S~ and deltas in the operand type.
+TEST(PrefillScanHost, WorkspaceAreasLieApartInsideItsSize) {
+  for (const ScanPrecision precision : {ScanPrecision::Bf16TensorCores, ScanPrecision::Fp32}) {
+    const kernels::PrefillScanDims d{28, 64, 128, 4, 32, precision};
+    const int max_tokens = 2048, max_runs = 8;
+    const size_t bytes = kernels::prefill_scan_workspace_bytes(d, max_tokens, max_runs);
+    alignas(256) static unsigned char probe[1];  // never dereferenced: only addresses are compared
+    const uintptr_t base = reinterpret_cast<uintptr_t>(probe);
+    const kernels::PrefillScanWorkspace w = kernels::prefill_scan_workspace(d, max_tokens, max_runs, probe);
+    const size_t T = max_tokens, H = d.heads, RN = 4 * 128, PN = 64 * 128, S = d.n_angles;
+    const size_t C = kernels::prefill_max_chunks(max_tokens, max_runs, kernels::prefill_chunk_tokens(d));
+    const size_t op = precision == ScanPrecision::Fp32 ? 4 : 2;
+    auto at = [](const void* p) { return reinterpret_cast<uintptr_t>(p); };
+    std::vector<std::pair<uintptr_t, size_t>> areas = {
+        {at(w.tok_a), 4 * T * H},          {at(w.tok_gamma), 4 * T * H},     {at(w.tok_bterm), 4 * T * H},
+        {at(w.tok_dt), 4 * T * H},         {at(w.b_norm), 4 * T * RN},       {at(w.c_norm), 4 * T * RN},
+        {at(w.b_norm_h), 2 * T * RN},      {at(w.c_norm_h), 2 * T * RN},     {at(w.rot), 8 * T * H * S},
+        {at(w.chunk_decay), 4 * C * H},    {at(w.chunk_delta), op * C * H * PN},
+        {at(w.chunk_state_in), op * C * H * PN},
+    };
+    std::sort(areas.begin(), areas.end());
+    for (size_t i = 0; i < areas.size(); ++i) {
+      SCOPED_TRACE("area at offset " + std::to_string(areas[i].first - base));
+      EXPECT_EQ((areas[i].first - base) % 256, 0u);
+      EXPECT_GE(areas[i].first, base);
+      EXPECT_LE(areas[i].first + areas[i].second, base + bytes);
+      if (i + 1 < areas.size()) EXPECT_LE(areas[i].first + areas[i].second, areas[i + 1].first);
+    }
+    EXPECT_EQ(areas.back().first + areas.back().second, base + bytes);  // no slack past the last area
+  }
 }
 
 }  // namespace
