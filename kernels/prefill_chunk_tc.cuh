@@ -82,11 +82,14 @@ __device__ __forceinline__ void copy_rows(unsigned char* dst, int dst_ld, const 
   const int pieces = row_bytes >> 4, rows_per_pass = div_small(kThreads, pieces);
   const int first = div_small(threadIdx.x, pieces), pc = threadIdx.x - first * pieces;
   if (first >= rows_per_pass) return;
-  const char* from = static_cast<const char*>(src) + pc * 16;
-  for (int row = first; row < rows; row += rows_per_pass) {
-    unsigned char* to = dst + row * dst_ld + pc * 16;
+  // Both sides advance by pointer: a piece is its copy, an add each and a test.
+  const char* from = static_cast<const char*>(src) + pc * 16 + first * src_ld;
+  unsigned char* to = dst + first * dst_ld + pc * 16;
+  const int64_t from_step = rows_per_pass * src_ld;
+  const int to_step = rows_per_pass * dst_ld;
+  for (int row = first; row < rows; row += rows_per_pass, from += from_step, to += to_step) {
     if (row < valid) {
-      cp_async16(to, from + row * src_ld);
+      cp_async16(to, from);
     } else {
       *reinterpret_cast<uint4*>(to) = make_uint4(0u, 0u, 0u, 0u);
     }
@@ -116,17 +119,16 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
 // One row's normed C entries (fp16 bits) as this lane holds them in an A fragment:
 // raw[hh][kt][hf] packs columns n, n+1 with n = (hh * H2 + kt) * 16 + 2c + 8 hf. Zeros for
 // a row past the chunk's tokens.
+// The lane's words lie at fixed offsets from one pointer, so each load is one instruction.
 template <int kH2>
 __device__ __forceinline__ void load_q_row(const __half* row, int c, bool valid, uint32_t (&raw)[2][kH2][2]) {
+  const unsigned int* words = reinterpret_cast<const unsigned int*>(row + 2 * c);
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {
 #pragma unroll
     for (int kt = 0; kt < kH2; ++kt) {
 #pragma unroll
-      for (int hf = 0; hf < 2; ++hf) {
-        const int n = (hh * kH2 + kt) * 16 + 2 * c + 8 * hf;
-        raw[hh][kt][hf] = valid ? __ldg(reinterpret_cast<const unsigned int*>(row + n)) : 0u;
-      }
+      for (int hf = 0; hf < 2; ++hf) raw[hh][kt][hf] = valid ? __ldg(words + (hh * kH2 + kt) * 8 + 4 * hf) : 0u;
     }
   }
 }
