@@ -156,6 +156,14 @@ __device__ __forceinline__ void build_xv(unsigned char* base, const OutputSmem& 
   }
 }
 
+// mimo_o[r][p] *= out_norm[p]: the norm's weight and mimo_o scale the same entries, so the
+// epilogue takes one product for both.
+__device__ __forceinline__ void fold_norm_into_mo(unsigned char* base, const OutputSmem& sm, int entries, int P) {
+  float* mo = reinterpret_cast<float*>(base + sm.mo);
+  const float* onorm = reinterpret_cast<const float*>(base + sm.onorm);
+  for (int i = threadIdx.x; i < entries; i += kThreads) mo[i] *= onorm[i - div_small(i, P) * P];
+}
+
 template <int kH2, int kR>
 __global__ void __launch_bounds__(kThreads, 2) prefill_chunk_output_tc_kernel(const ScanParams prm, const OutputSmem sm) {
   constexpr int kN = kH2 * 32, R = kR, kTokens = kRows / kR;
@@ -234,6 +242,7 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_chunk_output_tc_kernel(co
   __syncthreads();  // k and the mask are in; the rotation tables are dead
 
   build_xv<kR>(base, sm, P);
+  if (a.out_norm != nullptr) fold_norm_into_mo(base, sm, R * P, P);
   const bool active = row0 < m;
   const int pts = P / 8;
   float y[kMaxPT][4] = {};
@@ -305,7 +314,6 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_chunk_output_tc_kernel(co
     const float* mx = mxs + r * P;
     const float* mz = mzs + r * P;
     const float* mo = mos + r * P;
-    float ss_lo = 0.f, ss_hi = 0.f;
 #pragma unroll
     for (int pt = 0; pt < kMaxPT; ++pt) {
       if (kFullP || pt < pts) {
@@ -315,30 +323,36 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_chunk_output_tc_kernel(co
         y[pt][1] += Dh * (xl.y * m2.y);
         y[pt][2] += Dh * (xh.x * m2.x);
         y[pt][3] += Dh * (xh.y * m2.y);
-        ss_lo += y[pt][0] * y[pt][0] + y[pt][1] * y[pt][1];
-        ss_hi += y[pt][2] * y[pt][2] + y[pt][3] * y[pt][3];
       }
     }
-    float rs_lo = 1.f, rs_hi = 1.f;
-    const float* onorm = reinterpret_cast<const float*>(base + sm.onorm);
-    if (a.out_norm != nullptr) {  // a row's p are spread over the four lanes of its g
+    if (a.out_norm != nullptr) {  // its weight is in mo; a row's p are spread over the four lanes of its g
+      float ss_lo = 0.f, ss_hi = 0.f;
+#pragma unroll
+      for (int pt = 0; pt < kMaxPT; ++pt) {
+        if (kFullP || pt < pts) {
+          ss_lo += y[pt][0] * y[pt][0] + y[pt][1] * y[pt][1];
+          ss_hi += y[pt][2] * y[pt][2] + y[pt][3] * y[pt][3];
+        }
+      }
       ss_lo += __shfl_xor_sync(0xffffffffu, ss_lo, 1);
       ss_lo += __shfl_xor_sync(0xffffffffu, ss_lo, 2);
       ss_hi += __shfl_xor_sync(0xffffffffu, ss_hi, 1);
       ss_hi += __shfl_xor_sync(0xffffffffu, ss_hi, 2);
-      rs_lo = rsqrtf(ss_lo / P + a.norm_eps);
-      rs_hi = rsqrtf(ss_hi / P + a.norm_eps);
+      const float rs_lo = rsqrtf(ss_lo / P + a.norm_eps), rs_hi = rsqrtf(ss_hi / P + a.norm_eps);
+#pragma unroll
+      for (int pt = 0; pt < kMaxPT; ++pt) {
+        y[pt][0] *= rs_lo; y[pt][1] *= rs_lo; y[pt][2] *= rs_hi; y[pt][3] *= rs_hi;
+      }
     }
 #pragma unroll
     for (int pt = 0; pt < kMaxPT; ++pt) {
       if (kFullP || pt < pts) {
         const int p = pt * 8 + 2 * cq;
-        const float2 on = a.out_norm != nullptr ? ld2(onorm + p) : make_float2(1.f, 1.f);
         const float2 zl = ld2(z_lo + p), zh = ld2(z_hi + p), z2 = ld2(mz + p), o2 = ld2(mo + p);
-        y[pt][0] *= rs_lo * on.x * silu_fast(zl.x * z2.x) * o2.x;
-        y[pt][1] *= rs_lo * on.y * silu_fast(zl.y * z2.y) * o2.y;
-        y[pt][2] *= rs_hi * on.x * silu_fast(zh.x * z2.x) * o2.x;
-        y[pt][3] *= rs_hi * on.y * silu_fast(zh.y * z2.y) * o2.y;
+        y[pt][0] *= silu_fast(zl.x * z2.x) * o2.x;
+        y[pt][1] *= silu_fast(zl.y * z2.y) * o2.y;
+        y[pt][2] *= silu_fast(zh.x * z2.x) * o2.x;
+        y[pt][3] *= silu_fast(zh.y * z2.y) * o2.y;
       }
     }
     // A token's R rows are the lanes whose g differ in their low log2(R) bits (lane bits 2..).
