@@ -302,8 +302,9 @@ struct Quad<__nv_bfloat16> {
   static __device__ __forceinline__ float4 widen(uint2 v) { return widen_bf16x4(v); }
 };
 
-// Four consecutive state entries of one row per thread, through the run's chunks in order.
-template <typename Op>
+// Four consecutive state entries of one row per thread, through the run's chunks in order,
+// with the next kAheadBytes of deltas a thread in flight (PrefillScanPlan says which).
+template <typename Op, int kAheadBytes>
 __global__ void __launch_bounds__(kStateThreads) prefill_state_pass_kernel(const ScanParams prm) {
   const PrefillScanArgs& a = prm.a;
   const int H = a.dims.heads, P = a.dims.headdim, N = a.dims.d_state, R = a.dims.rank;
@@ -342,35 +343,46 @@ __global__ void __launch_bounds__(kStateThreads) prefill_state_pass_kernel(const
   const Op* deltas = static_cast<const Op*>(a.ws.chunk_delta);
   const int64_t head_at = (int64_t)h * P * N + (int64_t)p * N + n, chunk_floats = (int64_t)H * P * N;
   // Each chunk's inputs are loaded kAhead chunks before they are used (the stores between
-  // would otherwise hold every load back to one round trip a chunk), 128 bytes a thread in
-  // flight whatever the delta type: a run's chunks are a chain, so at one run a call the
-  // grid is too small to hide the memory's latency by its warps alone.
+  // would otherwise hold every load back to one round trip a chunk): a run's chunks are a
+  // chain, so at few runs a call the grid is too small to hide the memory's latency by its
+  // warps alone. The chunks' decays
+  // come a window of 32 at a time, one a lane, and go round by shuffles: the same for
+  // every thread of the head, they would otherwise take a load and a register a chunk.
   using Bits = typename Quad<Op>::Bits;
-  constexpr int kAhead = 128 / sizeof(Bits);
+  constexpr int kWindow = 32;
+  constexpr int kAhead = kAheadBytes / sizeof(Bits) < kWindow ? kAheadBytes / sizeof(Bits) : kWindow;
+  static_assert(kWindow % kAhead == 0, "the delta ring turns whole within a window");
+  const int lane = threadIdx.x & 31;
+  const float* decays = a.ws.chunk_decay + h;
+  // The next delta to load and the next chunk start to store, a chunk apart each.
+  const Op* d_at = deltas + c0 * chunk_floats + head_at;
+  Op* s_at = state_in + c0 * chunk_floats + head_at;
   Bits d_next[kAhead];
-  float decay_next[kAhead];
 #pragma unroll
   for (int k = 0; k < kAhead; ++k) {
-    if (c0 + k < c1) {
-      d_next[k] = *reinterpret_cast<const Bits*>(deltas + (c0 + k) * chunk_floats + head_at);
-      decay_next[k] = a.ws.chunk_decay[(int64_t)(c0 + k) * H + h];
-    }
+    if (c0 + k < c1) d_next[k] = *reinterpret_cast<const Bits*>(d_at);
+    d_at += chunk_floats;
   }
-  for (int c = c0; c < c1; c += kAhead) {
+  float window_decay = c0 + lane < c1 ? decays[(int64_t)(c0 + lane) * H] : 0.f;
+  // (Every lane of a warp takes the same branches: a warp's 32 threads hold entries of one
+  // head and one run, since P * N / 4 is a multiple of 64.)
+  for (int c = c0; c < c1; c += kWindow) {
+    const int nc = c + kWindow + lane;
+    const float next_decay = nc < c1 ? decays[(int64_t)nc * H] : 0.f;
 #pragma unroll
-    for (int k = 0; k < kAhead; ++k) {
+    for (int k = 0; k < kWindow; ++k) {
       const int cc = c + k;
       if (cc < c1) {
-        const float4 d = Quad<Op>::widen(d_next[k]);
-        const float decay = decay_next[k];
-        if (cc + kAhead < c1) {
-          d_next[k] = *reinterpret_cast<const Bits*>(deltas + (cc + kAhead) * chunk_floats + head_at);
-          decay_next[k] = a.ws.chunk_decay[(int64_t)(cc + kAhead) * H + h];
-        }
-        store4(state_in + cc * chunk_floats + head_at, s);
+        const float4 d = Quad<Op>::widen(d_next[k % kAhead]);
+        const float decay = __shfl_sync(0xffffffffu, window_decay, k);
+        if (cc + kAhead < c1) d_next[k % kAhead] = *reinterpret_cast<const Bits*>(d_at);
+        d_at += chunk_floats;
+        store4(s_at, s);
+        s_at += chunk_floats;
         s.x = fmaf(decay, s.x, d.x); s.y = fmaf(decay, s.y, d.y); s.z = fmaf(decay, s.z, d.z); s.w = fmaf(decay, s.w, d.w);
       }
     }
+    window_decay = next_decay;
   }
   if (prm.layout.ssm_bf16) {
     store4(ssm_bf16, s);
@@ -552,6 +564,18 @@ void set_smem_limits() {
   for (const auto& [fn, bytes] : kernels) set_chunk_kernel_smem_limit(fn, bytes, "prefill chunk kernel");
 }
 
+constexpr int kDeepPassBytes = 256, kShallowPassBytes = 128;
+int state_pass_tiles(int P, int N) { return (P * N / 4 + kStateThreads - 1) / kStateThreads; }
+
+// Runs whose deep state pass is resident all at once (PrefillScanPlan).
+template <typename Op>
+int deep_state_pass_max_runs(const PrefillScanDims& d) {
+  int per_sm = 0;
+  M3_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, prefill_state_pass_kernel<Op, kDeepPassBytes>,
+                                                              kStateThreads, 0));
+  return per_sm * multiprocessor_count() / (state_pass_tiles(d.headdim, d.d_state) * d.heads);
+}
+
 template <typename Op>
 void launch_chunks(const ScanParams& prm, cudaStream_t stream) {
   using Sm = ChunkSmem<Op>;
@@ -564,9 +588,9 @@ void launch_chunks(const ScanParams& prm, cudaStream_t stream) {
     launch_scan_kernel(prefill_chunk_state_kernel<Op>, dim3(a.runs.n_chunks, H), kStateThreads, Sm::kStateBytes,
                        stream, a.pdl, prm);
   }
-  const int tiles = (P * N / 4 + kStateThreads - 1) / kStateThreads;
-  launch_scan_kernel(prefill_state_pass_kernel<Op>, dim3(tiles, H, a.runs.n_runs), kStateThreads, 0, stream, a.pdl,
-                     prm);
+  const bool deep = a.runs.n_runs <= a.plan.deep_state_pass_max_runs;
+  launch_scan_kernel(deep ? prefill_state_pass_kernel<Op, kDeepPassBytes> : prefill_state_pass_kernel<Op, kShallowPassBytes>,
+                     dim3(state_pass_tiles(P, N), H, a.runs.n_runs), kStateThreads, 0, stream, a.pdl, prm);
   if (tc) {
     launch_chunk_output_tc(prm, stream);
     return;
@@ -647,18 +671,22 @@ PrefillScanWorkspace prefill_scan_workspace(const PrefillScanDims& d, int max_to
   return w;
 }
 
-void prepare_prefill_scan(const PrefillScanDims& d) {
+PrefillScanPlan prepare_prefill_scan(const PrefillScanDims& d) {
   if (const auto refusal = prefill_scan_shape_refusal(d)) {
     throw std::invalid_argument("prefill scan (H " + std::to_string(d.heads) + ", P " + std::to_string(d.headdim) +
                                 ", N " + std::to_string(d.d_state) + ", R " + std::to_string(d.rank) + ", S " +
                                 std::to_string(d.n_angles) + "): " + *refusal);
   }
+  PrefillScanPlan plan;
   if (d.precision == ScanPrecision::Fp32) {
     set_smem_limits<float>();
+    plan.deep_state_pass_max_runs = deep_state_pass_max_runs<float>(d);
   } else {
     set_smem_limits<__nv_bfloat16>();
     prepare_chunk_tc();
+    plan.deep_state_pass_max_runs = deep_state_pass_max_runs<__nv_bfloat16>(d);
   }
+  return plan;
 }
 
 void launch_prefill_scan(const PrefillScanArgs& a, cudaStream_t stream) {

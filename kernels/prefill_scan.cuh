@@ -133,8 +133,19 @@ struct PrefillScanWorkspace {
 size_t prefill_scan_workspace_bytes(const PrefillScanDims& d, int max_tokens, int max_runs);
 PrefillScanWorkspace prefill_scan_workspace(const PrefillScanDims& d, int max_tokens, int max_runs, void* base);
 
+// What prepare_prefill_scan finds of the device once, for every launch after it.
+struct PrefillScanPlan {
+  // Calls of up to this many runs take the state pass that keeps 256 bytes a thread in
+  // flight, the rest the one that keeps 128: while the deep pass's whole grid is resident
+  // at once, its depth hides the latency a run's chain of chunks leaves exposed; past
+  // that, the shallow pass, with half its registers, holds twice the blocks an SM and
+  // finishes in fewer waves.
+  int deep_state_pass_max_runs = 0;
+};
+
 struct PrefillScanArgs {
   PrefillScanDims dims;
+  PrefillScanPlan plan;  // prepare_prefill_scan's
   bool mimo_rotation = true;  // rotate halves (i, i+N/2); false: adjacent pairs (SISO)
   float a_floor = 1e-4f;
   float norm_eps = 1e-5f;
@@ -175,10 +186,12 @@ struct PrefillScanArgs {
 };
 
 // Load time: checks the shape (throws with the reason) and every kernel's shared memory
-// against kMaxSharedBytesPerBlock, and raises their dynamic shared-memory limits.
-void prepare_prefill_scan(const PrefillScanDims& d);
+// against kMaxSharedBytesPerBlock, raises their dynamic shared-memory limits, and plans
+// the launches by the current device's multiprocessors.
+PrefillScanPlan prepare_prefill_scan(const PrefillScanDims& d);
 
-// The five kernels on `stream` (sizes from args.runs; nothing allocated or chosen).
+// The five kernels on `stream` (sizes from args.runs, variants by args.plan; nothing
+// allocated or measured).
 void launch_prefill_scan(const PrefillScanArgs& args, cudaStream_t stream);
 
 }  // namespace m3::kernels

@@ -54,7 +54,7 @@ PrefillRunner::PrefillRunner(const ModelConfig& config, const DeviceWeights& wei
     throw std::invalid_argument("cuda engine: chunked prefill needs at least one run and one token, got " +
                                 std::to_string(max_runs_) + " runs and " + std::to_string(max_tokens_) + " tokens");
   }
-  kernels::prepare_prefill_scan(dims_);
+  scan_plan_ = kernels::prepare_prefill_scan(dims_);
 
   scan_workspace_ = DeviceBuffer(kernels::prefill_scan_workspace_bytes(dims_, max_tokens_, max_runs_),
                                  "prefill scan workspace");
@@ -178,6 +178,7 @@ void PrefillRunner::enqueue(int n, int tokens, int chunks, cudaStream_t stream) 
   const auto L = c.in_proj_layout();
   kernels::PrefillScanArgs a;
   a.dims = dims_;
+  a.plan = scan_plan_;
   a.mimo_rotation = c.ssm.is_mimo;
   a.a_floor = static_cast<float>(c.ssm.A_floor);
   a.norm_eps = eps;

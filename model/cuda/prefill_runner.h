@@ -80,6 +80,7 @@ class PrefillRunner {
   kernels::MimoStateLayout layout_;
   int max_runs_ = 0, max_tokens_ = 0;
   kernels::PrefillScanDims dims_;
+  kernels::PrefillScanPlan scan_plan_;  // prepare_prefill_scan(dims_)
   bool pdl_;  // CudaPolicy::pdl: the scan's kernels by programmatic dependent launch
   int chunk_tokens_ = 0;
   WeightDType act_ = WeightDType::BF16;

@@ -57,14 +57,20 @@ twin::HeadStates read_state(const twin::ScanDims& d, const kernels::MimoStateLay
 
 std::vector<double> widen(const std::vector<float>& v) { return std::vector<double>(v.begin(), v.end()); }
 
+// Which state pass a call takes: the plan's, or one of the two whatever the run count.
+enum class StatePass { Planned, Deep, Shallow };
+
 // One call of launch_prefill_scan over `lengths` (run i on slot slots[i]); checks o and states.
-void run_call(const GpuCase& c, const std::vector<int>& lengths, const std::vector<int>& slots, uint32_t seed) {
-  SCOPED_TRACE(name_of(c) + " seed " + std::to_string(seed));
+void run_call(const GpuCase& c, const std::vector<int>& lengths, const std::vector<int>& slots, uint32_t seed,
+              StatePass pass = StatePass::Planned) {
+  SCOPED_TRACE(name_of(c) + " seed " + std::to_string(seed) +
+               (pass == StatePass::Deep ? ", deep state pass" : pass == StatePass::Shallow ? ", shallow state pass" : ""));
   const twin::ScanDims& d = c.d;
   const bool fp32 = c.precision == ScanPrecision::Fp32;
   const kernels::MimoStateLayout L = kernels::mimo_state_layout(d.H, d.P, d.N, d.R, d.S);
   kernels::PrefillScanDims kd{d.H, d.P, d.N, d.R, d.S, c.precision};
-  kernels::prepare_prefill_scan(kd);
+  kernels::PrefillScanPlan plan = kernels::prepare_prefill_scan(kd);
+  if (pass != StatePass::Planned) plan.deep_state_pass_max_runs = pass == StatePass::Deep ? 1 << 30 : 0;
   const int n_runs = static_cast<int>(lengths.size());
   const int n_slots = n_runs + 2;  // slot 0 and the last one take no run
   const int64_t slot_stride = 2 * L.floats, layer_offset = L.floats;  // the second of two layers
@@ -96,6 +102,7 @@ void run_call(const GpuCase& c, const std::vector<int>& lengths, const std::vect
 
   kernels::PrefillScanArgs a;
   a.dims = kd;
+  a.plan = plan;
   a.mimo_rotation = d.mimo_rotation;
   a.a_floor = static_cast<float>(d.a_floor);
   a.norm_eps = static_cast<float>(d.eps);
@@ -265,6 +272,31 @@ TEST_P(PrefillScanGpu, ManyShortRunsFindTheirChunks) {
 TEST_P(PrefillScanGpu, OneLongRun) {
   M3_REQUIRE_CUDA_DEVICE();
   run_call(GetParam(), {1000}, {1}, 3);
+}
+
+// The plan picks the state pass by the run count; each must hold for any count, over
+// runs whose chunks fill several windows of decays (1000 tokens: 32 chunks or more) and
+// runs shorter than one.
+TEST_P(PrefillScanGpu, BothStatePassesMatchTheStepTwin) {
+  M3_REQUIRE_CUDA_DEVICE();
+  for (const StatePass pass : {StatePass::Deep, StatePass::Shallow}) {
+    run_call(GetParam(), {1000, 17}, {2, 1}, 6, pass);
+    run_call(GetParam(), {1100}, {1}, 7, pass);
+  }
+}
+
+TEST(PrefillScanPlan, DeepStatePassWhereItsWholeGridIsResident) {
+  M3_REQUIRE_CUDA_DEVICE();
+  // A run of s2s-14l's layer is 8 x 28 blocks of the pass, one of the small shape's 1 x 2:
+  // the same resident blocks X give runs of X / 224 and X / 2.
+  const kernels::PrefillScanPlan s2s =
+      kernels::prepare_prefill_scan(kernels::PrefillScanDims{28, 64, 128, 4, 32, ScanPrecision::Bf16TensorCores});
+  const kernels::PrefillScanPlan small =
+      kernels::prepare_prefill_scan(kernels::PrefillScanDims{2, 16, 32, 2, 8, ScanPrecision::Bf16TensorCores});
+  ASSERT_GE(small.deep_state_pass_max_runs, 1);
+  const int x_lo = 2 * small.deep_state_pass_max_runs, x_hi = x_lo + 1;
+  EXPECT_TRUE(s2s.deep_state_pass_max_runs == x_lo / 224 || s2s.deep_state_pass_max_runs == x_hi / 224)
+      << s2s.deep_state_pass_max_runs << " runs for s2s-14l, " << small.deep_state_pass_max_runs << " for the small shape";
 }
 
 std::vector<GpuCase> cases() {
