@@ -15,6 +15,14 @@ __device__ __forceinline__ void store_as<float>(float* p, float v) { *p = v; }
 template <>
 __device__ __forceinline__ void store_as<__nv_bfloat16>(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
 
+// Four values in one store: 16 bytes of fp32 or 8 of bf16.
+__device__ __forceinline__ void store4_as(float* p, float4 v) { *reinterpret_cast<float4*>(p) = v; }
+__device__ __forceinline__ void store4_as(__nv_bfloat16* p, float4 v) {
+  const __nv_bfloat162 lo = __floats2bfloat162_rn(v.x, v.y), hi = __floats2bfloat162_rn(v.z, v.w);
+  *reinterpret_cast<uint2*>(p) =
+      make_uint2(*reinterpret_cast<const uint32_t*>(&lo), *reinterpret_cast<const uint32_t*>(&hi));
+}
+
 template <typename W>
 __global__ void __launch_bounds__(kThreads) gather_rows_kernel(const W* table, int vocab_rows, int cols,
                                                                const int32_t* ids, float* out, int out_stride) {
@@ -42,6 +50,33 @@ __global__ void __launch_bounds__(kThreads) rmsnorm_rows_kernel(const float* x, 
   const float scale = rsqrtf(total / cols + eps);
   T* dst = out + static_cast<int64_t>(t) * out_stride;
   for (int i = threadIdx.x; i < cols; i += kThreads) store_as(dst + i, row[i] * scale * weight[i]);
+}
+
+// The same, a warp a row in 16-byte pieces, for rows whose columns, strides and pointers
+// allow them (d_model a multiple of 4): a block a row left a 896-column row to 256 threads
+// of 3 or 4 scalar loads each and a barrier; the second read of the row comes from L1.
+template <typename T>
+__global__ void __launch_bounds__(kThreads) rmsnorm_rows_vec4_kernel(const float* x, int x_stride,
+                                                                     const float* weight, int cols, float eps,
+                                                                     T* out, int out_stride, int rows) {
+  const int t = blockIdx.x * (kThreads / 32) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+  if (t >= rows) return;
+  const float4* row = reinterpret_cast<const float4*>(x + static_cast<int64_t>(t) * x_stride);
+  const float4* w4 = reinterpret_cast<const float4*>(weight);
+  const int n4 = cols / 4;
+  float ss = 0.f;
+#pragma unroll 4
+  for (int i = lane; i < n4; i += 32) {
+    const float4 v = row[i];
+    ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+  }
+  const float scale = rsqrtf(warp_sum(ss) / cols + eps);
+  T* dst = out + static_cast<int64_t>(t) * out_stride;
+#pragma unroll 4
+  for (int i = lane; i < n4; i += 32) {
+    const float4 v = row[i], g = w4[i];
+    store4_as(dst + 4 * i, make_float4(v.x * scale * g.x, v.y * scale * g.y, v.z * scale * g.z, v.w * scale * g.w));
+  }
 }
 
 template <typename T>
@@ -99,12 +134,25 @@ void gather_rows(const void* table, WeightDType table_type, int vocab_rows, int 
 void rmsnorm_rows(const float* x, int x_stride, const float* weight, int cols, float eps, void* out,
                   WeightDType out_type, int out_stride, int rows, cudaStream_t stream) {
   if (rows <= 0) return;
+  const size_t out_align = out_type == WeightDType::BF16 ? 8 : 16;
+  const bool vec4 = cols % 4 == 0 && x_stride % 4 == 0 && out_stride % 4 == 0 &&
+                    reinterpret_cast<uintptr_t>(x) % 16 == 0 && reinterpret_cast<uintptr_t>(weight) % 16 == 0 &&
+                    reinterpret_cast<uintptr_t>(out) % out_align == 0;
+  const int vec4_blocks = (rows + kThreads / 32 - 1) / (kThreads / 32);
   if (out_type == WeightDType::BF16) {
-    rmsnorm_rows_kernel<<<rows, kThreads, 0, stream>>>(x, x_stride, weight, cols, eps,
-                                                       static_cast<__nv_bfloat16*>(out), out_stride);
+    auto* o = static_cast<__nv_bfloat16*>(out);
+    if (vec4) {
+      rmsnorm_rows_vec4_kernel<<<vec4_blocks, kThreads, 0, stream>>>(x, x_stride, weight, cols, eps, o, out_stride, rows);
+    } else {
+      rmsnorm_rows_kernel<<<rows, kThreads, 0, stream>>>(x, x_stride, weight, cols, eps, o, out_stride);
+    }
   } else {
-    rmsnorm_rows_kernel<<<rows, kThreads, 0, stream>>>(x, x_stride, weight, cols, eps, static_cast<float*>(out),
-                                                       out_stride);
+    auto* o = static_cast<float*>(out);
+    if (vec4) {
+      rmsnorm_rows_vec4_kernel<<<vec4_blocks, kThreads, 0, stream>>>(x, x_stride, weight, cols, eps, o, out_stride, rows);
+    } else {
+      rmsnorm_rows_kernel<<<rows, kThreads, 0, stream>>>(x, x_stride, weight, cols, eps, o, out_stride);
+    }
   }
   M3_CUDA_CHECK(cudaGetLastError());
 }

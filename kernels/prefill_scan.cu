@@ -133,6 +133,9 @@ __device__ __forceinline__ void fill_xv_transposed(const PrefillScanArgs& a, con
 // ---- 1. token params --------------------------------------------------------------------
 // A warp for each of B's and C's 2R rows at rank 4, so that no warp walks two in turn.
 constexpr int kParamThreads = 256;
+// kVec4: B's and C's rows in 16-byte pieces, a lane four entries (launch_prefill_scan checks
+// that the rows, the norm weights and the destinations allow it).
+template <bool kVec4>
 __global__ void __launch_bounds__(kParamThreads) prefill_token_params_kernel(const ScanParams prm) {
   const PrefillScanArgs& a = prm.a;
   const int t = blockIdx.x;
@@ -156,16 +159,32 @@ __global__ void __launch_bounds__(kParamThreads) prefill_token_params_kernel(con
     const int r = is_b ? v : v - R;
     const float* src = row + (is_b ? a.off_B : a.off_C) + r * N;
     const float* nw = is_b ? a.B_norm : a.C_norm;
-    float ss = 0.f;
-    for (int n = lane; n < N; n += 32) ss += src[n] * src[n];
-    const float scale = rsqrtf(warp_sum(ss) / N + a.norm_eps);
     const int64_t at = ((int64_t)t * R + r) * N;
     float* dst = (is_b ? a.ws.b_norm : a.ws.c_norm) + at;
     __half* dst_h = (is_b ? a.ws.b_norm_h : a.ws.c_norm_h) + at;
-    for (int n = lane; n < N; n += 32) {
-      const float v = src[n] * scale * nw[n];
-      dst[n] = v;
-      dst_h[n] = __float2half_rn(v);
+    float ss = 0.f;
+    if constexpr (kVec4) {
+      // N <= 128: one piece a lane.
+      const int n = 4 * lane;
+      const float4 x = n < N ? *reinterpret_cast<const float4*>(src + n) : make_float4(0.f, 0.f, 0.f, 0.f);
+      ss = x.x * x.x + x.y * x.y + x.z * x.z + x.w * x.w;
+      const float scale = rsqrtf(warp_sum(ss) / N + a.norm_eps);
+      if (n < N) {
+        const float4 g = *reinterpret_cast<const float4*>(nw + n);
+        const float4 v = make_float4(x.x * scale * g.x, x.y * scale * g.y, x.z * scale * g.z, x.w * scale * g.w);
+        *reinterpret_cast<float4*>(dst + n) = v;
+        const __half2 lo = __floats2half2_rn(v.x, v.y), hi = __floats2half2_rn(v.z, v.w);
+        *reinterpret_cast<uint2*>(dst_h + n) =
+            make_uint2(*reinterpret_cast<const uint32_t*>(&lo), *reinterpret_cast<const uint32_t*>(&hi));
+      }
+    } else {
+      for (int n = lane; n < N; n += 32) ss += src[n] * src[n];
+      const float scale = rsqrtf(warp_sum(ss) / N + a.norm_eps);
+      for (int n = lane; n < N; n += 32) {
+        const float v = src[n] * scale * nw[n];
+        dst[n] = v;
+        dst_h[n] = __float2half_rn(v);
+      }
     }
   }
 }
@@ -703,7 +722,14 @@ void launch_prefill_scan(const PrefillScanArgs& a, cudaStream_t stream) {
   // below (H200, s2s-14l, docs/PERFORMANCE.md): a call of fewer chunks runs without it.
   constexpr int kPdlMinChunks = 8;
   prm.a.pdl = a.pdl && a.runs.n_chunks >= kPdlMinChunks;
-  prefill_token_params_kernel<<<a.runs.n_tokens, kParamThreads, 0, stream>>>(prm);
+  const auto aligned16 = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  const bool bc_vec4 = d.d_state % 4 == 0 && a.w_stride % 4 == 0 && a.off_B % 4 == 0 && a.off_C % 4 == 0 &&
+                       aligned16(a.w) && aligned16(a.B_norm) && aligned16(a.C_norm);
+  if (bc_vec4) {
+    prefill_token_params_kernel<true><<<a.runs.n_tokens, kParamThreads, 0, stream>>>(prm);
+  } else {
+    prefill_token_params_kernel<false><<<a.runs.n_tokens, kParamThreads, 0, stream>>>(prm);
+  }
   M3_CUDA_CHECK(cudaGetLastError());
   if (d.n_angles > 0) {
     const int groups = (d.n_angles + kAngleGroup - 1) / kAngleGroup;

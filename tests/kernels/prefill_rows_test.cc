@@ -45,9 +45,17 @@ TEST(PrefillRows, GatherCopiesTheRowsOfTheIdsClamped) {
   }
 }
 
-TEST(PrefillRows, RmsNormAndGatedSiluMatchTheirTwins) {
+// cols 333 and odd strides take the kernel of a block a row; cols 896 (s2s-14l's d_model)
+// with strides a multiple of 4 the one of a warp a row, over a last block of 5 of its 8 rows.
+struct RowShape {
+  int rows, cols, x_stride, out_stride;
+};
+class PrefillRowsShapes : public ::testing::TestWithParam<RowShape> {};
+
+TEST_P(PrefillRowsShapes, RmsNormAndGatedSiluMatchTheirTwins) {
   M3_REQUIRE_CUDA_DEVICE();
-  const int rows = 13, cols = 333, x_stride = 341, out_stride = 336, F = 150, in_stride = 2 * F + 7;
+  const auto [rows, cols, x_stride, out_stride] = GetParam();
+  const int F = 150, in_stride = 2 * F + 7;
   const std::vector<float> x = testing::random_floats(static_cast<size_t>(rows) * x_stride, 2, -2.f, 2.f);
   const std::vector<float> wgt = testing::random_floats(cols, 3, 0.5f, 1.5f);
   const std::vector<float> fc1 = testing::random_floats(static_cast<size_t>(rows) * in_stride, 4, -4.f, 4.f);
@@ -89,6 +97,12 @@ TEST(PrefillRows, RmsNormAndGatedSiluMatchTheirTwins) {
     EXPECT_LE(testing::max_rel_err(std::vector<float>(got_d.begin(), got_d.end()), expect), tol) << "gated silu";
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(Rows, PrefillRowsShapes,
+                         ::testing::Values(RowShape{13, 333, 341, 336}, RowShape{21, 896, 900, 904}),
+                         [](const ::testing::TestParamInfo<RowShape>& info) {
+                           return "cols" + std::to_string(info.param.cols);
+                         });
 
 TEST(PrefillRows, LastRowsOfRunsPacksEachRunsLastToken) {
   M3_REQUIRE_CUDA_DEVICE();
