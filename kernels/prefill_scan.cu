@@ -364,9 +364,9 @@ __global__ void __launch_bounds__(kStateThreads) prefill_state_pass_kernel(const
   // Each chunk's inputs are loaded kAhead chunks before they are used (the stores between
   // would otherwise hold every load back to one round trip a chunk): a run's chunks are a
   // chain, so at few runs a call the grid is too small to hide the memory's latency by its
-  // warps alone. The chunks' decays
-  // come a window of 32 at a time, one a lane, and go round by shuffles: the same for
-  // every thread of the head, they would otherwise take a load and a register a chunk.
+  // warps alone. The chunks' decays come a window of 32 at a time, one a lane, and go round
+  // by shuffles: the same for every thread of the head, they would otherwise take a load
+  // and a register a chunk.
   using Bits = typename Quad<Op>::Bits;
   constexpr int kWindow = 32;
   constexpr int kAhead = kAheadBytes / sizeof(Bits) < kWindow ? kAheadBytes / sizeof(Bits) : kWindow;
