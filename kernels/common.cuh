@@ -1,5 +1,5 @@
 // What every kernel file needs: error checks that throw with context, warp reductions,
-// bf16 widening, 16-byte vector loads, the programmatic-dependent-launch barrier, and
+// bf16 widening, 16-byte vector loads, four-value stores, the programmatic-dependent-launch barrier, and
 // the shared-memory ceiling every kernel must respect (the RTX 5090's per-block limit).
 #pragma once
 
@@ -154,6 +154,14 @@ __device__ __forceinline__ void load8(const float* w, float (&out)[8]) {
 
 __device__ __forceinline__ float load1(const __nv_bfloat16* w) { return __bfloat162float(*w); }
 __device__ __forceinline__ float load1(const float* w) { return *w; }
+
+// Four consecutive values in one store: 16 bytes of fp32, or 8 of bf16 (rounded to nearest even).
+__device__ __forceinline__ void store4(float* p, float4 v) { *reinterpret_cast<float4*>(p) = v; }
+__device__ __forceinline__ void store4(__nv_bfloat16* p, float4 v) {
+  const __nv_bfloat162 lo = __floats2bfloat162_rn(v.x, v.y), hi = __floats2bfloat162_rn(v.z, v.w);
+  *reinterpret_cast<uint2*>(p) =
+      make_uint2(*reinterpret_cast<const uint32_t*>(&lo), *reinterpret_cast<const uint32_t*>(&hi));
+}
 
 // One 16-byte piece from global to shared memory by cp.async (L2 only), in flight until a
 // cp.async wait.

@@ -15,14 +15,6 @@ __device__ __forceinline__ void store_as<float>(float* p, float v) { *p = v; }
 template <>
 __device__ __forceinline__ void store_as<__nv_bfloat16>(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
 
-// Four values in one store: 16 bytes of fp32 or 8 of bf16.
-__device__ __forceinline__ void store4_as(float* p, float4 v) { *reinterpret_cast<float4*>(p) = v; }
-__device__ __forceinline__ void store4_as(__nv_bfloat16* p, float4 v) {
-  const __nv_bfloat162 lo = __floats2bfloat162_rn(v.x, v.y), hi = __floats2bfloat162_rn(v.z, v.w);
-  *reinterpret_cast<uint2*>(p) =
-      make_uint2(*reinterpret_cast<const uint32_t*>(&lo), *reinterpret_cast<const uint32_t*>(&hi));
-}
-
 template <typename W>
 __global__ void __launch_bounds__(kThreads) gather_rows_kernel(const W* table, int vocab_rows, int cols,
                                                                const int32_t* ids, float* out, int out_stride) {
@@ -75,7 +67,7 @@ __global__ void __launch_bounds__(kThreads) rmsnorm_rows_vec4_kernel(const float
 #pragma unroll 4
   for (int i = lane; i < n4; i += 32) {
     const float4 v = row[i], g = w4[i];
-    store4_as(dst + 4 * i, make_float4(v.x * scale * g.x, v.y * scale * g.y, v.z * scale * g.z, v.w * scale * g.w));
+    store4(dst + 4 * i, make_float4(v.x * scale * g.x, v.y * scale * g.y, v.z * scale * g.z, v.w * scale * g.w));
   }
 }
 
@@ -134,25 +126,21 @@ void gather_rows(const void* table, WeightDType table_type, int vocab_rows, int 
 void rmsnorm_rows(const float* x, int x_stride, const float* weight, int cols, float eps, void* out,
                   WeightDType out_type, int out_stride, int rows, cudaStream_t stream) {
   if (rows <= 0) return;
-  const size_t out_align = out_type == WeightDType::BF16 ? 8 : 16;
-  const bool vec4 = cols % 4 == 0 && x_stride % 4 == 0 && out_stride % 4 == 0 &&
-                    reinterpret_cast<uintptr_t>(x) % 16 == 0 && reinterpret_cast<uintptr_t>(weight) % 16 == 0 &&
-                    reinterpret_cast<uintptr_t>(out) % out_align == 0;
-  const int vec4_blocks = (rows + kThreads / 32 - 1) / (kThreads / 32);
+  auto launch = [&]<typename T>(T* o) {
+    const bool vec4 = cols % 4 == 0 && x_stride % 4 == 0 && out_stride % 4 == 0 &&
+                      reinterpret_cast<uintptr_t>(x) % 16 == 0 && reinterpret_cast<uintptr_t>(weight) % 16 == 0 &&
+                      reinterpret_cast<uintptr_t>(o) % (4 * sizeof(T)) == 0;
+    if (vec4) {
+      const int blocks = (rows + kThreads / 32 - 1) / (kThreads / 32);
+      rmsnorm_rows_vec4_kernel<<<blocks, kThreads, 0, stream>>>(x, x_stride, weight, cols, eps, o, out_stride, rows);
+    } else {
+      rmsnorm_rows_kernel<<<rows, kThreads, 0, stream>>>(x, x_stride, weight, cols, eps, o, out_stride);
+    }
+  };
   if (out_type == WeightDType::BF16) {
-    auto* o = static_cast<__nv_bfloat16*>(out);
-    if (vec4) {
-      rmsnorm_rows_vec4_kernel<<<vec4_blocks, kThreads, 0, stream>>>(x, x_stride, weight, cols, eps, o, out_stride, rows);
-    } else {
-      rmsnorm_rows_kernel<<<rows, kThreads, 0, stream>>>(x, x_stride, weight, cols, eps, o, out_stride);
-    }
+    launch(static_cast<__nv_bfloat16*>(out));
   } else {
-    auto* o = static_cast<float*>(out);
-    if (vec4) {
-      rmsnorm_rows_vec4_kernel<<<vec4_blocks, kThreads, 0, stream>>>(x, x_stride, weight, cols, eps, o, out_stride, rows);
-    } else {
-      rmsnorm_rows_kernel<<<rows, kThreads, 0, stream>>>(x, x_stride, weight, cols, eps, o, out_stride);
-    }
+    launch(static_cast<float*>(out));
   }
   M3_CUDA_CHECK(cudaGetLastError());
 }

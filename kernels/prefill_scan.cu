@@ -299,14 +299,6 @@ __global__ void __launch_bounds__(kStateThreads) prefill_chunk_state_kernel(cons
 }
 
 // ---- 4. state pass ------------------------------------------------------------------------
-__device__ __forceinline__ void store4(__nv_bfloat16* p, float4 v) {
-  __nv_bfloat162 lo = __floats2bfloat162_rn(v.x, v.y), hi = __floats2bfloat162_rn(v.z, v.w);
-  uint2 bits;
-  bits.x = *reinterpret_cast<uint32_t*>(&lo);
-  bits.y = *reinterpret_cast<uint32_t*>(&hi);
-  *reinterpret_cast<uint2*>(p) = bits;
-}
-__device__ __forceinline__ void store4(float* p, float4 v) { *reinterpret_cast<float4*>(p) = v; }
 // Four consecutive entries of Op as one load brings them in, and widened to fp32.
 template <typename Op>
 struct Quad;
@@ -406,7 +398,7 @@ __global__ void __launch_bounds__(kStateThreads) prefill_state_pass_kernel(const
   if (prm.layout.ssm_bf16) {
     store4(ssm_bf16, s);
   } else {
-    *reinterpret_cast<float4*>(ssm) = s;
+    store4(ssm, s);
   }
 }
 
