@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -155,10 +156,16 @@ __device__ __forceinline__ void load8(const float* w, float (&out)[8]) {
 __device__ __forceinline__ float load1(const __nv_bfloat16* w) { return __bfloat162float(*w); }
 __device__ __forceinline__ float load1(const float* w) { return *w; }
 
-// Four consecutive values in one store: 16 bytes of fp32, or 8 of bf16 (rounded to nearest even).
+// Four consecutive values in one store: 16 bytes of fp32, or 8 of bf16 or fp16 (rounded to
+// nearest even).
 __device__ __forceinline__ void store4(float* p, float4 v) { *reinterpret_cast<float4*>(p) = v; }
 __device__ __forceinline__ void store4(__nv_bfloat16* p, float4 v) {
   const __nv_bfloat162 lo = __floats2bfloat162_rn(v.x, v.y), hi = __floats2bfloat162_rn(v.z, v.w);
+  *reinterpret_cast<uint2*>(p) =
+      make_uint2(*reinterpret_cast<const uint32_t*>(&lo), *reinterpret_cast<const uint32_t*>(&hi));
+}
+__device__ __forceinline__ void store4(__half* p, float4 v) {
+  const __half2 lo = __floats2half2_rn(v.x, v.y), hi = __floats2half2_rn(v.z, v.w);
   *reinterpret_cast<uint2*>(p) =
       make_uint2(*reinterpret_cast<const uint32_t*>(&lo), *reinterpret_cast<const uint32_t*>(&hi));
 }

@@ -172,10 +172,8 @@ __global__ void __launch_bounds__(kParamThreads) prefill_token_params_kernel(con
       if (n < N) {
         const float4 g = *reinterpret_cast<const float4*>(nw + n);
         const float4 v = make_float4(x.x * scale * g.x, x.y * scale * g.y, x.z * scale * g.z, x.w * scale * g.w);
-        *reinterpret_cast<float4*>(dst + n) = v;
-        const __half2 lo = __floats2half2_rn(v.x, v.y), hi = __floats2half2_rn(v.z, v.w);
-        *reinterpret_cast<uint2*>(dst_h + n) =
-            make_uint2(*reinterpret_cast<const uint32_t*>(&lo), *reinterpret_cast<const uint32_t*>(&hi));
+        store4(dst + n, v);
+        store4(dst_h + n, v);
       }
     } else {
       for (int n = lane; n < N; n += 32) ss += src[n] * src[n];
