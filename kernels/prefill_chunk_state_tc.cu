@@ -99,16 +99,25 @@ __global__ void __launch_bounds__(kThreads) prefill_chunk_state_tc_kernel(const 
   const __nv_bfloat16* ks = reinterpret_cast<const __nv_bfloat16*>(base + sm.k);  // [rows][kLdK]
   const __nv_bfloat16* xvw = reinterpret_cast<const __nv_bfloat16*>(base + sm.xv);  // [rows][ldxv]
 
-  // With no angles kernel the token-params kernel is the previous one: wait before staging.
-  wait_for_previous_kernel();
-  allow_next_kernel();
   const ChunkPlace cp = chunk_place(a, c, kRows / R);
   const int m = cp.len * R, m16 = (m + 15) & ~15;
-  stage_chunk(a, sm, cp, h, base);
+  // The previous kernel is the angles kernel where there are angles, else the token-params
+  // kernel: with angles only their cos and sin wait for it (the B and x rows and the token
+  // terms are two kernels back or older, complete once this kernel runs); without, all does.
+  const bool angles_before = a.dims.n_angles > 0;
+  if (angles_before) {
+    stage_chunk(a, sm, cp, h, base);
+    stage_token_terms(a, cp, h, reinterpret_cast<float*>(base + sm.terms));
+  }
+  wait_for_previous_kernel();
+  allow_next_kernel();
+  if (!angles_before) {
+    stage_chunk(a, sm, cp, h, base);
+    stage_token_terms(a, cp, h, reinterpret_cast<float*>(base + sm.terms));
+  }
   load_rotation_tables<kRows / kR, kN>(a, cp, h, reinterpret_cast<uint32_t*>(base + sm.cos),
                                        reinterpret_cast<uint32_t*>(base + sm.sin),
                                        reinterpret_cast<uint2*>(base + sm.bias16), sm.ldr, false);
-  stage_token_terms(a, cp, h, reinterpret_cast<float*>(base + sm.terms));
   cp_async_wait<0>();
   __syncthreads();  // the staged rows and the token terms are in
   // k in bf16, the type of XvW, its left operand.
