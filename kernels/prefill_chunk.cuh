@@ -86,12 +86,12 @@ __device__ __forceinline__ void chunk_token_terms(const PrefillScanArgs& a, cons
   }
 }
 
-// Two adjacent entries of a chunk's delta, in the operand type: the bf16 kernels' deltas are
-// rounded as their S~ is, which halves what the state pass reads.
-__device__ __forceinline__ void store_delta_pair(float* p, float v0, float v1) {
+// Two adjacent entries in the type of their destination (a chunk's delta: the bf16 kernels'
+// deltas are rounded as their S~ is, which halves what the state pass reads; the output o).
+__device__ __forceinline__ void store_pair(float* p, float v0, float v1) {
   *reinterpret_cast<float2*>(p) = make_float2(v0, v1);
 }
-__device__ __forceinline__ void store_delta_pair(__nv_bfloat16* p, float v0, float v1) {
+__device__ __forceinline__ void store_pair(__nv_bfloat16* p, float v0, float v1) {
   *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(v0, v1);
 }
 

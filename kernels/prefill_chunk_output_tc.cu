@@ -100,6 +100,19 @@ __device__ __forceinline__ void stage_chunk(const PrefillScanArgs& a, const Outp
   cp_async_commit();
 }
 
+// A lane's kKept column tiles (k R + r) of its two rows' sums, at o + o_lo and o + o_hi.
+template <int kKept, int R, bool kFullP, typename T>
+__device__ __forceinline__ void store_token_rows(T* o, int64_t o_lo, int64_t o_hi, const float (&y)[kMaxPT][4], int r,
+                                                 int pts, bool v_lo, bool v_hi) {
+#pragma unroll
+  for (int k = 0; k < kKept; ++k) {
+    if (kFullP || k * R + r < pts) {
+      if (v_lo) store_pair(o + o_lo + k * R * 8, y[k][0], y[k][1]);
+      if (v_hi) store_pair(o + o_hi + k * R * 8, y[k][2], y[k][3]);
+    }
+  }
+}
+
 // M[t][s]: gamma_t on the diagonal, exp(L_t - L_s) u_s below it, zeros above it and past the
 // chunk's tokens.
 __device__ __forceinline__ void build_mask_table(unsigned char* base, const OutputSmem& sm, int tokens, int len) {
@@ -356,35 +369,34 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_chunk_output_tc_kernel(co
       }
     }
     // A token's R rows are the lanes whose g differ in their low log2(R) bits (lane bits 2..).
+    // Each halving step keeps the tiles whose bit matches the lane's rank bit and adds the
+    // partner's copy of them, so after log2(R) steps a lane holds the sums of tiles
+    // pt = k R + r: half the shuffles of summing every tile in every lane.
 #pragma unroll
-    for (int off = 4; off < 32; off <<= 1) {
-      if (off < 4 * R) {
+    for (int s = 0; s < 3; ++s) {
+      if ((1 << s) < R) {
+        const bool bit = (r >> s) & 1;
 #pragma unroll
-        for (int pt = 0; pt < kMaxPT; ++pt) {
+        for (int q = 0; q < (kMaxPT >> (s + 1)); ++q) {
 #pragma unroll
-          for (int e = 0; e < 4; ++e) y[pt][e] += __shfl_xor_sync(0xffffffffu, y[pt][e], off);
-        }
-      }
-    }
-    // Every lane of a token holds its sums; rank lane r stores the column tiles pt = r mod R.
-#pragma unroll
-    for (int pt = 0; pt < kMaxPT; ++pt) {
-      if ((kFullP || pt < pts) && pt % R == r) {
-        const int p = pt * 8 + 2 * cq;
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          if (!(half == 0 ? v_lo : v_hi)) continue;
-          const int64_t row = cp.first + (half == 0 ? t_lo : t_hi);
-          const float o0 = y[pt][2 * half], o1 = y[pt][2 * half + 1];
-          if (a.o_bf16) {
-            *reinterpret_cast<uint32_t*>(static_cast<__nv_bfloat16*>(a.o) + row * a.o_stride + h * P + p) =
-                pack_bf16(o0, o1);
-          } else {
-            *reinterpret_cast<float2*>(static_cast<float*>(a.o) + row * a.o_stride + h * P + p) =
-                make_float2(o0, o1);
+          for (int e = 0; e < 4; ++e) {
+            // Through scalars: a conditional over the array's entries became a select of
+            // addresses, and the array went to local memory.
+            const float even = y[2 * q][e], odd = y[2 * q + 1][e];
+            y[q][e] = (bit ? odd : even) + __shfl_xor_sync(0xffffffffu, bit ? even : odd, 4 << s);
           }
         }
       }
+    }
+    // y[k] is column tile k R + r of the token's sum; the row's entries lie at fixed offsets
+    // from one pointer a row.
+    constexpr int kKept = kMaxPT / R;
+    const int64_t o_lo = (int64_t)(cp.first + t_lo_safe) * a.o_stride + h * P + r * 8 + 2 * cq;
+    const int64_t o_hi = (int64_t)(cp.first + t_hi_safe) * a.o_stride + h * P + r * 8 + 2 * cq;
+    if (a.o_bf16) {
+      store_token_rows<kKept, R, kFullP>(static_cast<__nv_bfloat16*>(a.o), o_lo, o_hi, y, r, pts, v_lo, v_hi);
+    } else {
+      store_token_rows<kKept, R, kFullP>(static_cast<float*>(a.o), o_lo, o_hi, y, r, pts, v_lo, v_hi);
     }
   };
   if (active) {

@@ -160,8 +160,8 @@ __global__ void __launch_bounds__(kThreads) prefill_chunk_state_tc_kernel(const 
     for (int nt = 0; nt < 8; ++nt) {
       if (nt < nts) {
         const int p = pt * 16 + g, n = ng * 64 + nt * 8 + 2 * cq;
-        store_delta_pair(delta + (int64_t)p * kN + n, acc[nt][0], acc[nt][1]);
-        store_delta_pair(delta + (int64_t)(p + 8) * kN + n, acc[nt][2], acc[nt][3]);
+        store_pair(delta + (int64_t)p * kN + n, acc[nt][0], acc[nt][1]);
+        store_pair(delta + (int64_t)(p + 8) * kN + n, acc[nt][2], acc[nt][3]);
       }
     }
   }

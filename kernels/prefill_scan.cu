@@ -288,8 +288,8 @@ __global__ void __launch_bounds__(kStateThreads) prefill_chunk_state_kernel(cons
     for (int nt = 0; nt < 8; ++nt) {
       if (nt < nt_limit) {
         const int p = rt * 16 + g, n = ng * 64 + nt * 8 + 2 * cq;
-        store_delta_pair(delta + (int64_t)p * N + n, acc[nt][0], acc[nt][1]);
-        store_delta_pair(delta + (int64_t)(p + 8) * N + n, acc[nt][2], acc[nt][3]);
+        store_pair(delta + (int64_t)p * N + n, acc[nt][0], acc[nt][1]);
+        store_pair(delta + (int64_t)(p + 8) * N + n, acc[nt][2], acc[nt][3]);
       }
     }
   }
