@@ -276,23 +276,25 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_chunk_output_tc_kernel(co
   // kFullP (headdim kMaxP, the common case) keeps the tile tests out of the code.
   auto finish = [&](auto full_p) {
     constexpr bool kFullP = decltype(full_p)::value;
-    for (int jt = 0; jt <= warp; ++jt) {
-      const int j0 = jt * 16;
-      float gacc[2][4] = {};
-      q_times_rows<kH2, 2, Operands::F16>(gacc, qf, ks + j0 * kLdK, kLdK, 2);
-      // M[i][j]: gamma_t on the diagonal token, exp(L_t - L_s) u_s below it. Columns jj and
-      // jj + 1 share their token when R > 1 (jj even), and then their factors.
-      auto mask_of = [&](bool row_ok, int t, int jj) {
-        const int s = jj / kR;
-        if constexpr (kMaskTable) {
-          return mask[t * sm.ldm + s];
-        } else {
-          if (!row_ok || jj >= m || s > t) return 0.f;
-          return s == t ? gam[t] : exp_fast(L[t] - L[s]) * u[s];
-        }
-      };
+    // M[i][j]: gamma_t on the diagonal token, exp(L_t - L_s) u_s below it. Columns jj and
+    // jj + 1 share their token when R > 1 (jj even), and then their factors.
+    auto mask_of = [&](bool row_ok, int t, int jj) {
+      const int s = jj / kR;
+      if constexpr (kMaskTable) {
+        return mask[t * sm.ldm + s];
+      } else {
+        if (!row_ok || jj >= m || s > t) return 0.f;
+        return s == t ? gam[t] : exp_fast(L[t] - L[s]) * u[s];
+      }
+    };
+    // kTiles 16-column tiles of G from column j0: Q K^T, times M, packed to bf16 in place (two
+    // m16n8 accumulator tiles side by side are one A fragment), times Xv. Two tiles at a time
+    // give Q K^T four independent accumulator chains instead of two.
+    auto g_tiles = [&]<int kTiles>(int j0) {
+      float gacc[2 * kTiles][4] = {};
+      q_times_rows<kH2, 2 * kTiles, Operands::F16>(gacc, qf, ks + j0 * kLdK, kLdK, 2 * kTiles);
 #pragma unroll
-      for (int nt = 0; nt < 2; ++nt) {
+      for (int nt = 0; nt < 2 * kTiles; ++nt) {
         const int jj = j0 + nt * 8 + 2 * cq;
         const float m_lo = mask_of(v_lo, t_lo, jj), m_hi = mask_of(v_hi, t_hi, jj);
         const float m_lo1 = kR > 1 ? m_lo : mask_of(v_lo, t_lo, jj + 1);
@@ -302,19 +304,28 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_chunk_output_tc_kernel(co
         gacc[nt][2] *= m_hi;
         gacc[nt][3] *= m_hi1;
       }
-      const uint32_t g0 = pack_bf16(gacc[0][0], gacc[0][1]), g1 = pack_bf16(gacc[0][2], gacc[0][3]);
-      const uint32_t g2 = pack_bf16(gacc[1][0], gacc[1][1]), g3 = pack_bf16(gacc[1][2], gacc[1][3]);
-      const __nv_bfloat16* xv_j = xv_row + j0 * sm.ldxv;
 #pragma unroll
-      for (int pt = 0; pt < kMaxPT; pt += 2) {
-        if (kFullP || pt < pts) {
-          uint32_t b[4];
-          ldmatrix_x4_trans(b, xv_j + pt * 8);
-          mma_bf16(y[pt], g0, g1, g2, g3, b[0], b[1]);
-          mma_bf16(y[pt + 1], g0, g1, g2, g3, b[2], b[3]);
+      for (int tile = 0; tile < kTiles; ++tile) {
+        const float(&lo)[4] = gacc[2 * tile];
+        const float(&hi)[4] = gacc[2 * tile + 1];
+        const uint32_t g0 = pack_bf16(lo[0], lo[1]), g1 = pack_bf16(lo[2], lo[3]);
+        const uint32_t g2 = pack_bf16(hi[0], hi[1]), g3 = pack_bf16(hi[2], hi[3]);
+        const __nv_bfloat16* xv_j = xv_row + (j0 + 16 * tile) * sm.ldxv;
+#pragma unroll
+        for (int pt = 0; pt < kMaxPT; pt += 2) {
+          if (kFullP || pt < pts) {
+            uint32_t b[4];
+            ldmatrix_x4_trans(b, xv_j + pt * 8);
+            mma_bf16(y[pt], g0, g1, g2, g3, b[0], b[1]);
+            mma_bf16(y[pt + 1], g0, g1, g2, g3, b[2], b[3]);
+          }
         }
       }
-    }
+    };
+    // Warp w's rows need tiles 0..w: pairs, then the last alone when w is even.
+    int jt = 0;
+    for (; jt < warp; jt += 2) g_tiles.template operator()<2>(jt * 16);
+    if (jt == warp) g_tiles.template operator()<1>(jt * 16);
 
     // The skip term D xv (in fp32), the optional norm, the gate; then the sum over the rank.
     // Rows past the chunk's tokens hold zeros throughout (their q, x and z rows are zeros),
