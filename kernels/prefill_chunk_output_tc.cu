@@ -152,23 +152,6 @@ __device__ __forceinline__ void rotate_q_row(uint32_t (&raw)[2][kH2][2], const _
   }
 }
 
-// Xv [rows][p] = x_t[p] mimo_x[r][p] in bf16 (rows past the chunk's tokens zeros, as their
-// staged x rows are), four entries a thread at a time.
-template <int kR>
-__device__ __forceinline__ void build_xv(unsigned char* base, const OutputSmem& sm, int P) {
-  const float* xs = reinterpret_cast<const float*>(base + sm.x);
-  const float* mxs = reinterpret_cast<const float*>(base + sm.mx);
-  __nv_bfloat16* xv = reinterpret_cast<__nv_bfloat16*>(base + sm.xv);
-  const int quads = P / 4;
-  for (int idx = threadIdx.x; idx < kRows * quads; idx += kThreads) {
-    const int j = div_small(idx, quads), p = 4 * (idx - j * quads);
-    const int t = j / kR, r = j % kR;
-    const float4 x = *reinterpret_cast<const float4*>(xs + t * sm.ldx + p);
-    const float4 w = *reinterpret_cast<const float4*>(mxs + r * P + p);
-    *reinterpret_cast<uint2*>(xv + j * sm.ldxv + p) = make_uint2(pack_bf16(x.x * w.x, x.y * w.y), pack_bf16(x.z * w.z, x.w * w.w));
-  }
-}
-
 // mimo_o[r][p] *= out_norm[p]: the norm's weight and mimo_o scale the same entries, so the
 // epilogue takes one product for both.
 __device__ __forceinline__ void fold_norm_into_mo(unsigned char* base, const OutputSmem& sm, int entries, int P) {
@@ -254,7 +237,10 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_chunk_output_tc_kernel(co
   }
   __syncthreads();  // k and the mask are in; the rotation tables are dead
 
-  build_xv<kR>(base, sm, P);
+  // Xv [rows][p] = x_t[p] mimo_x[r][p] (rows past the chunk's tokens zeros, as their staged x
+  // rows are).
+  build_token_rows<kR>(reinterpret_cast<const float*>(base + sm.x), sm.ldx, reinterpret_cast<const float*>(base + sm.mx),
+                       P, reinterpret_cast<__nv_bfloat16*>(base + sm.xv), sm.ldxv, [](int) { return 1.f; });
   if (a.out_norm != nullptr) fold_norm_into_mo(base, sm, R * P, P);
   const bool active = row0 < m;
   const int pts = P / 8;

@@ -62,29 +62,6 @@ __device__ __forceinline__ void stage_chunk(const PrefillScanArgs& a, const Stat
   cp_async_commit();
 }
 
-// XvW [rows][p] (bf16): each row's x_t[p] mimo_x[r][p] times its token's chunk-end weight
-// exp(L_e - L_t) u_t, four entries a thread at a time; rows past m zeros (their staged x
-// rows are).
-template <int kR>
-__device__ __forceinline__ void build_xvw(unsigned char* base, const StateSmem& sm, int P, int len) {
-  const float* xs = reinterpret_cast<const float*>(base + sm.x);
-  const float* mxs = reinterpret_cast<const float*>(base + sm.mx);
-  const float* L = reinterpret_cast<const float*>(base + sm.terms);
-  const float* u = L + 2 * (kRows / kR);
-  __nv_bfloat16* xvw = reinterpret_cast<__nv_bfloat16*>(base + sm.xv);
-  const float l_end = L[len - 1];
-  const int quads = P / 4;
-  for (int idx = threadIdx.x; idx < kRows * quads; idx += kThreads) {
-    const int j = div_small(idx, quads), p = 4 * (idx - j * quads);
-    const int t = j / kR, r = j % kR;
-    const float wt = t < len ? exp_fast(l_end - L[t]) * u[t] : 0.f;
-    const float4 x = *reinterpret_cast<const float4*>(xs + t * sm.ldx + p);
-    const float4 w = *reinterpret_cast<const float4*>(mxs + r * P + p);
-    *reinterpret_cast<uint2*>(xvw + j * sm.ldxv + p) =
-        make_uint2(pack_bf16(wt * (x.x * w.x), wt * (x.y * w.y)), pack_bf16(wt * (x.z * w.z), wt * (x.w * w.w)));
-  }
-}
-
 // dS[p][n] = sum_j XvW[j][p] K[j][n]; warp w takes rows p of tile w % (P/16) and the 64
 // columns n of group w / (P/16).
 template <int kH2, int kR>
@@ -125,7 +102,17 @@ __global__ void __launch_bounds__(kThreads) prefill_chunk_state_tc_kernel(const 
                                    reinterpret_cast<const __half*>(base + sm.bias16),
                                    reinterpret_cast<const __half*>(base + sm.cos),
                                    reinterpret_cast<const __half*>(base + sm.sin), sm.ldr, m);
-  build_xvw<kR>(base, sm, P, cp.len);
+  // XvW [rows][p]: each row's x_t[p] mimo_x[r][p] times its token's chunk-end weight
+  // exp(L_e - L_t) u_t; rows past the chunk's tokens zeros.
+  {
+    const float* L = reinterpret_cast<const float*>(base + sm.terms);
+    const float* u = L + 2 * (kRows / kR);
+    const float l_end = L[cp.len - 1];
+    const int len = cp.len;
+    build_token_rows<kR>(reinterpret_cast<const float*>(base + sm.x), sm.ldx, reinterpret_cast<const float*>(base + sm.mx),
+                         P, reinterpret_cast<__nv_bfloat16*>(base + sm.xv), sm.ldxv,
+                         [&](int t) { return t < len ? exp_fast(l_end - L[t]) * u[t] : 0.f; });
+  }
   __syncthreads();  // k and XvW are in
 
   const int p_tiles = P / 16, jobs = p_tiles * ((kN + 63) / 64);

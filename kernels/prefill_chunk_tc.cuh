@@ -250,6 +250,28 @@ __device__ __forceinline__ void rotate_k_in_place(__half* kh, const __half* bias
   }
 }
 
+// Rows j = t R + r of out ([kRows][ld], bf16): weight(t) x_t[p] mimo_x[r][p], from x
+// ([tokens][ldx], fp32) and mimo_x ([R][P], fp32). A thread item is four columns of one token
+// for all R of its rows, so x and the token's weight are read and computed once for them.
+template <int kR, typename Weight>
+__device__ __forceinline__ void build_token_rows(const float* xs, int ldx, const float* mxs, int P, __nv_bfloat16* out,
+                                                 int ld, Weight&& weight) {
+  constexpr int kTokens = kRows / kR;
+  const int quads = P / 4;
+  for (int idx = threadIdx.x; idx < kTokens * quads; idx += kThreads) {
+    const int t = div_small(idx, quads), p = 4 * (idx - t * quads);
+    const float wt = weight(t);
+    float4 x = *reinterpret_cast<const float4*>(xs + t * ldx + p);
+    x.x *= wt; x.y *= wt; x.z *= wt; x.w *= wt;
+#pragma unroll
+    for (int r = 0; r < kR; ++r) {
+      const float4 w = *reinterpret_cast<const float4*>(mxs + r * P + p);
+      *reinterpret_cast<uint2*>(out + (t * kR + r) * ld + p) =
+          make_uint2(pack_bf16(x.x * w.x, x.y * w.y), pack_bf16(x.z * w.z, x.w * w.w));
+    }
+  }
+}
+
 // acc[nt] += Q (this warp's rows, qf) . Bt[rows nt * 8 .. + 7]^T for nt < count (even), with
 // Bt [rows][ld] 16-bit, one row per output column (S~ for the inherited state, k for G).
 // kOps: both operands fp16, or q fp16 and Bt bf16 (each q fragment converted as it is
