@@ -39,6 +39,14 @@ void launch_scan_kernel(void (*kernel)(Params...), dim3 grid, int threads, size_
 
 // The run that chunk c belongs to (runs.chunk_begin is ascending).
 __device__ __forceinline__ int run_of_chunk(const PrefillRuns& runs, int c) {
+  // Up to 32 runs, lane i reads chunk_begin[i] and a ballot counts the runs that begin at or
+  // before c: one round trip to memory, where the search below waits on log2(runs) in turn.
+  // Every lane of the warp calls this (the chunk kernels do, at their start).
+  if (runs.n_runs <= 32) {
+    const int lane = threadIdx.x & 31;
+    const bool begun = lane < runs.n_runs && runs.chunk_begin[lane] <= c;
+    return __popc(__ballot_sync(0xffffffffu, begun)) - 1;
+  }
   int lo = 0, hi = runs.n_runs - 1;
   while (lo < hi) {
     const int mid = (lo + hi + 1) / 2;

@@ -259,14 +259,18 @@ TEST_P(PrefillScanGpu, MatchesStepTwinOnEveryRunLength) {
   run_call(GetParam(), {15, 65, 16, 63}, {2, 4, 1, 3}, 2);
 }
 
+// A chunk finds its run by one warp-wide lookup up to 32 runs and by a search past them:
+// 32 and 33 runs sit on either side of that line.
 TEST_P(PrefillScanGpu, ManyShortRunsFindTheirChunks) {
   M3_REQUIRE_CUDA_DEVICE();
-  std::vector<int> lengths, slots;
-  for (int i = 0; i < 13; ++i) {
-    lengths.push_back(i % 3 == 0 ? 1 : i % 3 == 1 ? 2 : 33);
-    slots.push_back(13 - i);
+  for (const int n_runs : {13, 32, 33}) {
+    std::vector<int> lengths, slots;
+    for (int i = 0; i < n_runs; ++i) {
+      lengths.push_back(i % 3 == 0 ? 1 : i % 3 == 1 ? 2 : 33);
+      slots.push_back(n_runs - i);
+    }
+    run_call(GetParam(), lengths, slots, 4 + n_runs);
   }
-  run_call(GetParam(), lengths, slots, 4);
 }
 
 TEST_P(PrefillScanGpu, OneLongRun) {
