@@ -127,10 +127,12 @@ __device__ __forceinline__ void build_mask_table(unsigned char* base, const Outp
   }
 }
 
-// The row's q entries after bias and rotation, in place, as fp16 pairs; zeros when !valid.
+// The row's q entries after bias and rotation, in place, as fp16 pairs. A row past the chunk's
+// tokens keeps its bias: only its own outputs see it (G's row and y's row), and those are
+// never stored.
 template <int kH2>
 __device__ __forceinline__ void rotate_q_row(uint32_t (&raw)[2][kH2][2], const __half* bias, const __half* cs,
-                                             const __half* sn, int ldr, int c, bool valid) {
+                                             const __half* sn, int ldr, int c) {
   constexpr int kHalf = kH2 * 16;
 #pragma unroll
   for (int kt = 0; kt < kH2; ++kt) {
@@ -146,8 +148,8 @@ __device__ __forceinline__ void rotate_q_row(uint32_t (&raw)[2][kH2][2], const _
         x0 = v0;
         x1 = v1;
       }
-      raw[0][kt][hf] = valid ? half2_bits(x0) : 0u;
-      raw[1][kt][hf] = valid ? half2_bits(x1) : 0u;
+      raw[0][kt][hf] = half2_bits(x0);
+      raw[1][kt][hf] = half2_bits(x1);
     }
   }
 }
@@ -222,8 +224,8 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_chunk_output_tc_kernel(co
     const __half* bias_q = reinterpret_cast<const __half*>(base + sm.bias16) + (R + r) * kN;
     const __half* cs = reinterpret_cast<const __half*>(base + sm.cos);
     const __half* sn = reinterpret_cast<const __half*>(base + sm.sin);
-    rotate_q_row<kH2>(qlo, bias_q, cs + t_lo_safe * sm.ldr, sn + t_lo_safe * sm.ldr, sm.ldr, cq, v_lo);
-    rotate_q_row<kH2>(qhi, bias_q, cs + t_hi_safe * sm.ldr, sn + t_hi_safe * sm.ldr, sm.ldr, cq, v_hi);
+    rotate_q_row<kH2>(qlo, bias_q, cs + t_lo_safe * sm.ldr, sn + t_lo_safe * sm.ldr, sm.ldr, cq);
+    rotate_q_row<kH2>(qhi, bias_q, cs + t_hi_safe * sm.ldr, sn + t_hi_safe * sm.ldr, sm.ldr, cq);
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
 #pragma unroll
@@ -314,8 +316,9 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_chunk_output_tc_kernel(co
     if (jt == warp) g_tiles.template operator()<1>(jt * 16);
 
     // The skip term D xv (in fp32), the optional norm, the gate; then the sum over the rank.
-    // Rows past the chunk's tokens hold zeros throughout (their q, x and z rows are zeros),
-    // and a token's rows are all valid or none, so nothing here tests them.
+    // Rows past the chunk's tokens read token 0's x and z (t_safe) and are never stored; a
+    // token's rows are all valid or none, so their sums stay among themselves and nothing
+    // here tests them.
     const float Dh = a.D[h];
     const float* x_lo = xs + t_lo_safe * sm.ldx;
     const float* x_hi = xs + t_hi_safe * sm.ldx;

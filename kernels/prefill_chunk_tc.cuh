@@ -49,11 +49,13 @@ inline int rotation_table_width(int n_angles) { return (n_angles + 7) & ~7; }
 
 __device__ __forceinline__ float2 ld2(const float* p) { return *reinterpret_cast<const float2*>(p); }
 
-// a / b for a < 4096 and 0 < b < 256 through one float reciprocal: (a + 0.5) / b lies at
-// least 0.5 / b from an integer, far past the product's rounding, so truncation is exact.
-// An integer division by a value known only at run time is some 20 instructions.
+// a / b for 0 <= a < 2^21 and 0 < b < 256 through the fast float division (a product with an
+// approximate reciprocal, 2 ulp): (a + 0.5) / b lies at least 0.5 / b from an integer, and the
+// quotient's error, under (a / b) 2^-22, is below that for every such a, so truncation is
+// exact. An integer division by a value known only at run time is some 20 instructions, and
+// the IEEE reciprocal adds a range test and a branch.
 __device__ __forceinline__ int div_small(int a, int b) {
-  return __float2int_rz((static_cast<float>(a) + 0.5f) * __frcp_rn(static_cast<float>(b)));
+  return __float2int_rz(__fdividef(static_cast<float>(a) + 0.5f, static_cast<float>(b)));
 }
 
 // 2^x by the hardware's approximation (2 ulp), subnormal results flushed to zero (exp2f and
