@@ -37,16 +37,8 @@ void launch_scan_kernel(void (*kernel)(Params...), dim3 grid, int threads, size_
   M3_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
 }
 
-// The run that chunk c belongs to (runs.chunk_begin is ascending).
+// The run that chunk c belongs to (runs.chunk_begin is ascending), by binary search.
 __device__ __forceinline__ int run_of_chunk(const PrefillRuns& runs, int c) {
-  // Up to 32 runs, lane i reads chunk_begin[i] and a ballot counts the runs that begin at or
-  // before c: one round trip to memory, where the search below waits on log2(runs) in turn.
-  // Every lane of the warp calls this (the chunk kernels do, at their start).
-  if (runs.n_runs <= 32) {
-    const int lane = threadIdx.x & 31;
-    const bool begun = lane < runs.n_runs && runs.chunk_begin[lane] <= c;
-    return __popc(__ballot_sync(0xffffffffu, begun)) - 1;
-  }
   int lo = 0, hi = runs.n_runs - 1;
   while (lo < hi) {
     const int mid = (lo + hi + 1) / 2;
@@ -59,11 +51,31 @@ __device__ __forceinline__ int run_of_chunk(const PrefillRuns& runs, int c) {
 struct ChunkPlace {
   int run, first, len, run_end;
 };
+// Every lane of the warp calls this (the chunk kernels do, at their start). Up to 31 runs,
+// lane i reads chunk_begin[i] and token_begin[i] at once, a ballot counts the runs that
+// begin at or before c and shuffles hand out the run's bounds: one round trip to memory,
+// where the search and the bounds after it wait on log2(runs) + 1 in turn.
 __device__ __forceinline__ ChunkPlace chunk_place(const PrefillScanArgs& a, int c, int chunk_tokens) {
+  const PrefillRuns& runs = a.runs;
+  int run_chunk, run_token, run_end;
   ChunkPlace p;
-  p.run = run_of_chunk(a.runs, c);
-  p.first = a.runs.token_begin[p.run] + (c - a.runs.chunk_begin[p.run]) * chunk_tokens;
-  p.run_end = a.runs.token_begin[p.run + 1];
+  if (runs.n_runs < 32) {
+    const int lane = threadIdx.x & 31;
+    const bool entry = lane <= runs.n_runs;  // both tables hold n_runs + 1 entries
+    const int cb = entry ? runs.chunk_begin[lane] : 0;
+    const int tb = entry ? runs.token_begin[lane] : 0;
+    p.run = __popc(__ballot_sync(0xffffffffu, lane < runs.n_runs && cb <= c)) - 1;
+    run_chunk = __shfl_sync(0xffffffffu, cb, p.run);
+    run_token = __shfl_sync(0xffffffffu, tb, p.run);
+    run_end = __shfl_sync(0xffffffffu, tb, p.run + 1);
+  } else {
+    p.run = run_of_chunk(runs, c);
+    run_chunk = runs.chunk_begin[p.run];
+    run_token = runs.token_begin[p.run];
+    run_end = runs.token_begin[p.run + 1];
+  }
+  p.first = run_token + (c - run_chunk) * chunk_tokens;
+  p.run_end = run_end;
   p.len = min(chunk_tokens, p.run_end - p.first);
   return p;
 }
