@@ -196,9 +196,14 @@ __global__ void __launch_bounds__(kParamThreads) prefill_token_params_kernel(con
 // in), writing cos and sin of theta_t (the rotation the chunk kernels apply). Why groups of
 // angles: a block a (head, run) left most of the GPU idle (28 blocks at s2s-14l) on a loop
 // of 64 sincos a thread; a group of 8 gives 4x the blocks and a quarter of the loop.
+// A thread's first kAngleCache increments stay in shared memory from pass 1 to pass 2 (a
+// segment of a run of up to 2048 tokens whole), so pass 2 reads them where it would compute
+// tanhf again; the sums are the same bit for bit.
 constexpr int kAngleThreads = 1024;
 constexpr int kAngleGroup = 8;
 constexpr int kAngleSegments = kAngleThreads / kAngleGroup;  // 128
+constexpr int kAngleCache = 16;
+constexpr size_t kAngleCacheBytes = sizeof(float) * kAngleCache * kAngleThreads;  // dynamic shared memory
 __device__ __forceinline__ float angle_increment(const PrefillScanArgs& a, int t, int h, int s) {
   return tanhf(a.w[(int64_t)t * a.w_stride + a.off_ang + s]) * a.ws.tok_dt[(int64_t)t * a.dims.heads + h] * kPi;
 }
@@ -219,10 +224,15 @@ __global__ void __launch_bounds__(kAngleThreads) prefill_angles_kernel(const Sca
   const float theta0 = mine ? angle[(int64_t)parity * H * S + s] : 0.f;
   wait_for_previous_kernel();  // dt is the token-params kernel's
   allow_next_kernel();
+  extern __shared__ float cached[];  // [kAngleCache][kAngleThreads]
   float sum = 0.f;
   if (mine) {
 #pragma unroll 8
-    for (int t = b0; t < b1; ++t) sum += angle_increment(a, t, h, s);
+    for (int t = b0; t < b1; ++t) {
+      const float inc = angle_increment(a, t, h, s);
+      if (t - b0 < kAngleCache) cached[(t - b0) * kAngleThreads + threadIdx.x] = inc;
+      sum += inc;
+    }
   }
   totals[segment][threadIdx.x % kAngleGroup] = sum;
   __syncthreads();  // every segment's total is in, every old angle read
@@ -232,7 +242,7 @@ __global__ void __launch_bounds__(kAngleThreads) prefill_angles_kernel(const Sca
   for (int w = 0; w < segment; ++w) theta += totals[w][g];
 #pragma unroll 4
   for (int t = b0; t < b1; ++t) {
-    theta += angle_increment(a, t, h, s);
+    theta += t - b0 < kAngleCache ? cached[(t - b0) * kAngleThreads + threadIdx.x] : angle_increment(a, t, h, s);
     float sn, cs;
     sincosf(theta, &sn, &cs);
     a.ws.rot[((int64_t)t * H + h) * S + s] = make_float2(cs, sn);
@@ -687,6 +697,9 @@ PrefillScanPlan prepare_prefill_scan(const PrefillScanDims& d) {
                                 std::to_string(d.n_angles) + "): " + *refusal);
   }
   PrefillScanPlan plan;
+  static_assert(sizeof(float) * kAngleSegments * kAngleGroup + kAngleCacheBytes <= kMaxSharedBytesPerBlock,
+                "the angles kernel's shared memory fits every target");
+  allow_dynamic_smem(reinterpret_cast<const void*>(prefill_angles_kernel), kAngleCacheBytes);
   if (d.precision == ScanPrecision::Fp32) {
     set_smem_limits<float>();
     plan.deep_state_pass_max_runs = deep_state_pass_max_runs<float>(d);
@@ -723,8 +736,8 @@ void launch_prefill_scan(const PrefillScanArgs& a, cudaStream_t stream) {
   M3_CUDA_CHECK(cudaGetLastError());
   if (d.n_angles > 0) {
     const int groups = (d.n_angles + kAngleGroup - 1) / kAngleGroup;
-    launch_scan_kernel(prefill_angles_kernel, dim3(d.heads, a.runs.n_runs, groups), kAngleThreads, 0, stream,
-                       prm.a.pdl, prm);
+    launch_scan_kernel(prefill_angles_kernel, dim3(d.heads, a.runs.n_runs, groups), kAngleThreads, kAngleCacheBytes,
+                       stream, prm.a.pdl, prm);
   }
   if (d.precision == ScanPrecision::Fp32) {
     launch_chunks<float>(prm, stream);
