@@ -268,8 +268,7 @@ __device__ __forceinline__ void build_token_rows(const float* xs, int ldx, const
 #pragma unroll
     for (int r = 0; r < kR; ++r) {
       const float4 w = *reinterpret_cast<const float4*>(mxs + r * P + p);
-      *reinterpret_cast<uint2*>(out + (t * kR + r) * ld + p) =
-          make_uint2(pack_bf16(x.x * w.x, x.y * w.y), pack_bf16(x.z * w.z, x.w * w.w));
+      store4(out + (t * kR + r) * ld + p, make_float4(x.x * w.x, x.y * w.y, x.z * w.z, x.w * w.w));
     }
   }
 }
