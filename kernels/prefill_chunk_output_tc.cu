@@ -47,6 +47,7 @@ struct OutputSmem {
   int ldr = 0;   // rotation_table_width
   int ldxv = 0;  // bf16 between rows of Xv
   int ldm = 0;   // floats between rows of the mask table (0: no table)
+  int ldv = 0;   // floats between the rank rows of mimo_x, mimo_z and mimo_o
   int bytes = 0;
 };
 
@@ -59,6 +60,9 @@ OutputSmem output_smem(const PrefillScanDims& d) {
   m.ldr = rotation_table_width(S);
   m.ldxv = P + 8;  // rows 4 words apart modulo 32: ldmatrix reads are free of bank conflicts
   m.ldm = mask_table(R) ? tokens + 1 : 0;
+  // 8 words past a multiple of 32: the epilogue's lanes of a token's R ranks read R rows at
+  // once, which P apart (a multiple of 32 words) sat on the same banks.
+  m.ldv = P + 8;
   SmemPlan plan;
   m.k = plan.take(2 * kRows * kLdK);
   m.s = plan.take(2 * P * kLdS);
@@ -71,9 +75,9 @@ OutputSmem output_smem(const PrefillScanDims& d) {
   m.cos = m.xv + cos;
   m.sin = m.xv + sin;
   m.bias16 = m.xv + bias16;
-  m.mx = plan.take(4 * R * P);
-  m.mz = plan.take(4 * R * P);
-  m.mo = plan.take(4 * R * P);
+  m.mx = plan.take(4 * R * m.ldv);
+  m.mz = plan.take(4 * R * m.ldv);
+  m.mo = plan.take(4 * R * m.ldv);
   m.onorm = plan.take(4 * P);
   if (m.ldm > 0) m.mask = plan.take(4 * tokens * m.ldm);
   m.terms = plan.take(4 * 3 * tokens);
@@ -93,9 +97,9 @@ __device__ __forceinline__ void stage_chunk(const PrefillScanArgs& a, const Outp
             4 * P);
   copy_rows(base + sm.z, 4 * sm.ldx, a.w + cp.first * row_floats + a.off_z + h * P, 4 * row_floats, tokens, cp.len,
             4 * P);
-  copy_rows(base + sm.mx, 0, a.mimo_x + (int64_t)h * R * P, 0, 1, 1, 4 * R * P);
-  copy_rows(base + sm.mz, 0, a.mimo_z + (int64_t)h * R * P, 0, 1, 1, 4 * R * P);
-  copy_rows(base + sm.mo, 0, a.mimo_o + (int64_t)h * R * P, 0, 1, 1, 4 * R * P);
+  copy_rows(base + sm.mx, 4 * sm.ldv, a.mimo_x + (int64_t)h * R * P, 4 * P, R, R, 4 * P);
+  copy_rows(base + sm.mz, 4 * sm.ldv, a.mimo_z + (int64_t)h * R * P, 4 * P, R, R, 4 * P);
+  copy_rows(base + sm.mo, 4 * sm.ldv, a.mimo_o + (int64_t)h * R * P, 4 * P, R, R, 4 * P);
   if (a.out_norm != nullptr) copy_rows(base + sm.onorm, 0, a.out_norm + h * P, 0, 1, 1, 4 * P);
   cp_async_commit();
 }
@@ -159,7 +163,10 @@ __device__ __forceinline__ void rotate_q_row(uint32_t (&raw)[2][kH2][2], const _
 __device__ __forceinline__ void fold_norm_into_mo(unsigned char* base, const OutputSmem& sm, int entries, int P) {
   float* mo = reinterpret_cast<float*>(base + sm.mo);
   const float* onorm = reinterpret_cast<const float*>(base + sm.onorm);
-  for (int i = threadIdx.x; i < entries; i += kThreads) mo[i] *= onorm[i - div_small(i, P) * P];
+  for (int i = threadIdx.x; i < entries; i += kThreads) {
+    const int r = div_small(i, P), p = i - r * P;
+    mo[r * sm.ldv + p] *= onorm[p];
+  }
 }
 
 template <int kH2, int kR>
@@ -177,7 +184,7 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_chunk_output_tc_kernel(co
   const __nv_bfloat16* xv = reinterpret_cast<const __nv_bfloat16*>(base + sm.xv);  // [rows][ldxv]
   const float* xs = reinterpret_cast<const float*>(base + sm.x);                  // [tokens][ldx]
   const float* zs = reinterpret_cast<const float*>(base + sm.z);
-  const float* mxs = reinterpret_cast<const float*>(base + sm.mx);                // [R][P]
+  const float* mxs = reinterpret_cast<const float*>(base + sm.mx);                // [R][ldv]
   const float* mzs = reinterpret_cast<const float*>(base + sm.mz);
   const float* mos = reinterpret_cast<const float*>(base + sm.mo);
   const float* mask = reinterpret_cast<const float*>(base + sm.mask);             // [tokens][ldm]
@@ -242,7 +249,7 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_chunk_output_tc_kernel(co
   // Xv [rows][p] = x_t[p] mimo_x[r][p] (rows past the chunk's tokens zeros, as their staged x
   // rows are).
   build_token_rows<kR>(reinterpret_cast<const float*>(base + sm.x), sm.ldx, reinterpret_cast<const float*>(base + sm.mx),
-                       P, reinterpret_cast<__nv_bfloat16*>(base + sm.xv), sm.ldxv, [](int) { return 1.f; });
+                       sm.ldv, P, reinterpret_cast<__nv_bfloat16*>(base + sm.xv), sm.ldxv, [](int) { return 1.f; });
   if (a.out_norm != nullptr) fold_norm_into_mo(base, sm, R * P, P);
   const bool active = row0 < m;
   const int pts = P / 8;
@@ -324,9 +331,9 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_chunk_output_tc_kernel(co
     const float* x_hi = xs + t_hi_safe * sm.ldx;
     const float* z_lo = zs + t_lo_safe * sm.ldx;
     const float* z_hi = zs + t_hi_safe * sm.ldx;
-    const float* mx = mxs + r * P;
-    const float* mz = mzs + r * P;
-    const float* mo = mos + r * P;
+    const float* mx = mxs + r * sm.ldv;
+    const float* mz = mzs + r * sm.ldv;
+    const float* mo = mos + r * sm.ldv;
 #pragma unroll
     for (int pt = 0; pt < kMaxPT; ++pt) {
       if (kFullP || pt < pts) {

@@ -110,7 +110,7 @@ __global__ void __launch_bounds__(kThreads) prefill_chunk_state_tc_kernel(const 
     const float l_end = L[cp.len - 1];
     const int len = cp.len;
     build_token_rows<kR>(reinterpret_cast<const float*>(base + sm.x), sm.ldx, reinterpret_cast<const float*>(base + sm.mx),
-                         P, reinterpret_cast<__nv_bfloat16*>(base + sm.xv), sm.ldxv,
+                         P, P, reinterpret_cast<__nv_bfloat16*>(base + sm.xv), sm.ldxv,
                          [&](int t) { return t < len ? exp_fast(l_end - L[t]) * u[t] : 0.f; });
   }
   __syncthreads();  // k and XvW are in

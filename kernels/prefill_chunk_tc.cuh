@@ -253,11 +253,11 @@ __device__ __forceinline__ void rotate_k_in_place(__half* kh, const __half* bias
 }
 
 // Rows j = t R + r of out ([kRows][ld], bf16): weight(t) x_t[p] mimo_x[r][p], from x
-// ([tokens][ldx], fp32) and mimo_x ([R][P], fp32). A thread item is four columns of one token
-// for all R of its rows, so x and the token's weight are read and computed once for them.
+// ([tokens][ldx], fp32) and mimo_x ([R][ldm], fp32). A thread item is four columns of one
+// token for all R of its rows, so x and the token's weight are read and computed once for them.
 template <int kR, typename Weight>
-__device__ __forceinline__ void build_token_rows(const float* xs, int ldx, const float* mxs, int P, __nv_bfloat16* out,
-                                                 int ld, Weight&& weight) {
+__device__ __forceinline__ void build_token_rows(const float* xs, int ldx, const float* mxs, int ldm, int P,
+                                                 __nv_bfloat16* out, int ld, Weight&& weight) {
   constexpr int kTokens = kRows / kR;
   const int quads = P / 4;
   for (int idx = threadIdx.x; idx < kTokens * quads; idx += kThreads) {
@@ -267,7 +267,7 @@ __device__ __forceinline__ void build_token_rows(const float* xs, int ldx, const
     x.x *= wt; x.y *= wt; x.z *= wt; x.w *= wt;
 #pragma unroll
     for (int r = 0; r < kR; ++r) {
-      const float4 w = *reinterpret_cast<const float4*>(mxs + r * P + p);
+      const float4 w = *reinterpret_cast<const float4*>(mxs + r * ldm + p);
       store4(out + (t * kR + r) * ld + p, make_float4(x.x * w.x, x.y * w.y, x.z * w.z, x.w * w.w));
     }
   }
