@@ -59,7 +59,10 @@ OutputSmem output_smem(const PrefillScanDims& d) {
   m.ldx = P + 8;  // 8 words past a multiple of 32 for P a multiple of 16: the Xv reads spread over the banks
   m.ldr = rotation_table_width(S);
   m.ldxv = P + 8;  // rows 4 words apart modulo 32: ldmatrix reads are free of bank conflicts
-  m.ldm = mask_table(R) ? tokens + 1 : 0;
+  // At rank 4 a G tile's lanes read the table at tokens t, t + 1 and columns s, s + 1: with
+  // rows tokens + 1 = 33 words apart (t + 1, s) shared a bank with (t, s + 1); 34 puts the
+  // four on four banks.
+  m.ldm = mask_table(R) ? tokens + 2 : 0;
   // 8 words past a multiple of 32: the epilogue's lanes of a token's R ranks read R rows at
   // once, which P apart (a multiple of 32 words) sat on the same banks.
   m.ldv = P + 8;
