@@ -254,6 +254,15 @@ __device__ __forceinline__ void prefetch_l2(const L2Prefetch& r) {
               (uint64_t)gridDim.x * gridDim.y * gridDim.z);
 }
 
+// One output value at element i of `out`: fp32, or bf16 (to nearest) when `bf16`.
+__device__ __forceinline__ void store_output(void* out, bool bf16, int64_t i, float v) {
+  if (bf16) {
+    static_cast<__nv_bfloat16*>(out)[i] = __float2bfloat16_rn(v);
+  } else {
+    static_cast<float*>(out)[i] = v;
+  }
+}
+
 __device__ __forceinline__ float silu(float v) { return v / (1.0f + expf(-v)); }
 __device__ __forceinline__ float softplus(float v) { return v > 20.f ? v : log1pf(expf(v)); }
 

@@ -81,17 +81,29 @@ std::string describe(const LtGemmShape& s) {
 
 }  // namespace
 
+std::string lt_gemm_shape_refusal(const LtGemmShape& s) {
+  if (s.out_features <= 0 || s.in_features <= 0 || s.max_rows <= 0) return "sizes must be positive";
+  if (s.x_stride < s.in_features || s.y_stride < s.out_features) return "the row strides must cover the rows";
+  if (s.x_stride % 8 != 0 || s.in_features % 8 != 0 || s.y_stride % 4 != 0) {
+    return "in_features and x_stride must be multiples of 8, y_stride of 4 (16-byte rows)";
+  }
+  for (const int rows : s.row_counts) {
+    if (rows <= 0 || rows > s.max_rows) return "a listed row count (" + std::to_string(rows) + ") outside 1 to max_rows";
+  }
+  return "";
+}
+
 int lt_gemm_padded_rows(int rows) {
   if (rows <= 128) return (rows + 15) / 16 * 16;
   if (rows <= 1024) return (rows + 63) / 64 * 64;
   return (rows + 255) / 256 * 256;
 }
 
-LtContext::LtContext() {
+LtContext::LtContext(size_t workspace_bytes) : workspace_bytes_(workspace_bytes) {
   cublasLtHandle_t h = nullptr;
-  check_lt(lt_api().cublasLtCreate(&h), "cublasLtCreate", "prefill GEMM context");
+  check_lt(lt_api().cublasLtCreate(&h), "cublasLtCreate", "GEMM context");
   handle_ = h;
-  const cudaError_t err = cudaMalloc(&workspace_, kWorkspaceBytes);
+  const cudaError_t err = cudaMalloc(&workspace_, workspace_bytes_);
   if (err != cudaSuccess) {
     lt_api().cublasLtDestroy(h);
     check_cuda(err, "cudaMalloc(cuBLASLt workspace)", __FILE__, __LINE__);
@@ -112,6 +124,7 @@ struct LtGemm::Plan {
   LtGemmShape shape;
   cublasLtHandle_t handle = nullptr;
   void* workspace = nullptr;
+  size_t workspace_bytes = 0;
   cublasLtMatmulDesc_t desc = nullptr;
   cublasLtMatrixLayout_t w = nullptr;
   std::vector<Bucket> buckets;  // ascending rows
@@ -127,15 +140,14 @@ struct LtGemm::Plan {
 
 LtGemm::LtGemm(const LtContext& context, const LtGemmShape& s) : plan_(std::make_unique<Plan>()) {
   const std::string what = describe(s);
-  if (s.out_features <= 0 || s.in_features <= 0 || s.max_rows <= 0 || s.x_stride < s.in_features ||
-      s.y_stride < s.out_features || s.x_stride % 8 != 0 || s.in_features % 8 != 0 || s.y_stride % 4 != 0) {
-    throw std::invalid_argument(what + ": sizes must be positive, strides cover the rows, in_features and "
-                                       "x_stride multiples of 8, y_stride of 4 (16-byte rows)");
-  }
+  if (!lt_gemm_shape_refusal(s).empty()) throw std::invalid_argument(what + ": " + lt_gemm_shape_refusal(s));
   Plan& p = *plan_;
   p.shape = s;
+  std::sort(p.shape.row_counts.begin(), p.shape.row_counts.end());
+  p.shape.row_counts.erase(std::unique(p.shape.row_counts.begin(), p.shape.row_counts.end()), p.shape.row_counts.end());
   p.handle = static_cast<cublasLtHandle_t>(context.handle());
   p.workspace = context.workspace();
+  p.workspace_bytes = context.workspace_bytes();
   const cudaDataType_t wt = s.type == WeightDType::BF16 ? CUDA_R_16BF : CUDA_R_32F;
   check_lt(lt_api().cublasLtMatmulDescCreate(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F), "MatmulDescCreate", what);
   // Column-major view: y^T [out, rows] = W^T^T [in, out]^T . x^T [in, rows].
@@ -147,15 +159,23 @@ LtGemm::LtGemm(const LtContext& context, const LtGemmShape& s) : plan_(std::make
 
   cublasLtMatmulPreference_t pref = nullptr;
   check_lt(lt_api().cublasLtMatmulPreferenceCreate(&pref), "PreferenceCreate", what);
-  const uint64_t ws_bytes = LtContext::kWorkspaceBytes;
+  const uint64_t ws_bytes = p.workspace_bytes;
   const uint32_t align = 16;
   lt_api().cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_bytes, sizeof(ws_bytes));
   for (auto attr : {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
                     CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES}) {
     lt_api().cublasLtMatmulPreferenceSetAttribute(pref, attr, &align, sizeof(align));
   }
-  try {
+  // The row counts to plan: the listed ones, or every bucket up to max_rows.
+  std::vector<int> counts = p.shape.row_counts;
+  if (counts.empty()) {
     for (int rows = lt_gemm_padded_rows(1);; rows = lt_gemm_padded_rows(rows + 1)) {
+      counts.push_back(rows);
+      if (rows >= s.max_rows) break;
+    }
+  }
+  try {
+    for (const int rows : counts) {
       Plan::Bucket b;
       b.rows = rows;
       p.buckets.push_back(b);
@@ -170,7 +190,6 @@ LtGemm::LtGemm(const LtContext& context, const LtGemmShape& s) : plan_(std::make
         throw std::runtime_error("cuBLASLt has no algorithm for " + what + " at " + std::to_string(rows) + " rows");
       }
       nb.algo = result.algo;
-      if (rows >= s.max_rows) break;
     }
   } catch (...) {
     lt_api().cublasLtMatmulPreferenceDestroy(pref);
@@ -193,13 +212,18 @@ void LtGemm::run(const void* weight, const void* x, float* y, int rows, cudaStre
   if ((reinterpret_cast<uintptr_t>(weight) | reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(y)) % 16 != 0) {
     throw std::invalid_argument(describe(p.shape) + ": weight, x and y must be 16-byte aligned");
   }
-  const int padded = lt_gemm_padded_rows(rows);
+  const bool exact = !p.shape.row_counts.empty();
+  const int wanted = exact ? rows : lt_gemm_padded_rows(rows);
   size_t i = 0;
-  while (p.buckets[i].rows < padded) ++i;  // the last bucket covers max_rows
+  while (i < p.buckets.size() && p.buckets[i].rows < wanted) ++i;  // bucketed: the last covers max_rows
+  if (i == p.buckets.size() || (exact && p.buckets[i].rows != rows)) {
+    throw std::invalid_argument(describe(p.shape) + ": called with " + std::to_string(rows) +
+                                " rows, not one of the row counts it was planned for");
+  }
   const Plan::Bucket& b = p.buckets[i];
   const float alpha = 1.f, beta = p.shape.accumulate ? 1.f : 0.f;
   const cublasStatus_t status = lt_api().cublasLtMatmul(p.handle, p.desc, &alpha, weight, p.w, x, b.x, &beta, y, b.y, y,
-                                                        b.y, &b.algo, p.workspace, LtContext::kWorkspaceBytes, stream);
+                                                        b.y, &b.algo, p.workspace, p.workspace_bytes, stream);
   // The message is built only on failure: a call allocates nothing on the host.
   if (status != CUBLAS_STATUS_SUCCESS) check_lt(status, "Matmul", describe(p.shape));
 }

@@ -75,12 +75,17 @@ void KernelLaunch::check_resources() const {
 }
 
 int KernelLaunch::resident_blocks_per_sm(int threads_per_block) const {
+  if (func_ == nullptr) throw std::logic_error("resident_blocks_per_sm: " + name_ + " is no kernel launch");
   int n = 0;
   M3_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, func_, threads_per_block, smem_));
   return n;
 }
 
 void KernelLaunch::launch(cudaStream_t stream, bool pdl) const {
+  if (call_) {
+    call_(stream);
+    return;
+  }
   cudaLaunchAttribute attr{};
   const cudaLaunchConfig_t config = launch_config(grid_, block_, smem_, stream, pdl, attr);
   void* args[1] = {const_cast<unsigned char*>(params_)};

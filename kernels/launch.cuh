@@ -7,6 +7,7 @@
 
 #include <cstddef>
 #include <cstring>
+#include <functional>
 #include <string>
 #include <utility>
 
@@ -55,9 +56,21 @@ class KernelLaunch {
     return l;
   }
 
+  // A library's launches (a cuBLASLt GEMM, a row kernel with its own launcher), planned
+  // at load like a kernel: `call` issues them on the stream it is given, in the same
+  // order and with nothing chosen or allocated per call, so a graph can capture it. They
+  // launch without programmatic dependent launch; a kernel after them still may use it.
+  static KernelLaunch library(std::string name, std::function<void(cudaStream_t)> call) {
+    KernelLaunch l;
+    l.name_ = std::move(name);
+    l.call_ = std::move(call);
+    return l;
+  }
+
   // pdl: let this kernel start while the previous one in the stream drains (programmatic
   // dependent launch); the kernels themselves wait before reading dependent data.
   void launch(cudaStream_t stream, bool pdl) const;
+  bool is_library_call() const { return static_cast<bool>(call_); }
   const std::string& name() const { return name_; }
   // A label for reports (e.g. which matrix a gemv multiplies).
   KernelLaunch& named(std::string name) {
@@ -73,7 +86,7 @@ class KernelLaunch {
   const std::string& variant() const { return variant_; }
   dim3 grid() const { return grid_; }
   dim3 block() const { return block_; }
-  // How many blocks of this launch one multiprocessor holds at once.
+  // How many blocks of this launch one multiprocessor holds at once (a kernel's launch only).
   int resident_blocks_per_sm(int threads_per_block) const;
   size_t dynamic_smem() const { return smem_; }
 
@@ -83,6 +96,7 @@ class KernelLaunch {
   std::string name_;
   std::string variant_;
   const void* func_ = nullptr;
+  std::function<void(cudaStream_t)> call_;  // a library call instead of func_
   dim3 grid_, block_;
   size_t smem_ = 0;
   alignas(16) unsigned char params_[kMaxParamBytes] = {};

@@ -324,7 +324,7 @@ __global__ void __launch_bounds__(kThreads, 2) mimo_step_kernel(const MimoParams
     if (fused) {
       o_s[i] = out;
     } else {
-      a.o[(int64_t)b * a.o_stride + h * P + p0 + i] = out;
+      store_output(a.o, a.o_bf16, (int64_t)b * a.o_stride + h * P + p0 + i, out);
     }
   }
   if (fused) {

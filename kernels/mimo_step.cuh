@@ -66,8 +66,11 @@ struct MimoStepArgs {
   int64_t layer_offset = 0;
   const int32_t* slots = nullptr;      // [batch]
   const int32_t* parities = nullptr;   // [batch] steps the slot took since reset, & 1
-  float* o = nullptr;                  // [batch, o_stride], o[b, h*P + p]
+  // [batch, o_stride], o[b, h*P + p]: fp32, or bf16 when o_bf16 (the input of an out_proj
+  // GEMM on bf16 weights, rounded to nearest as the tensor-core gemvs round their input).
+  void* o = nullptr;
   int o_stride = 0;
+  bool o_bf16 = false;
   int batch = 0;
   // This step's rows run beside another chain's (the engine's split buckets): the next
   // kernel is then let launch right after the wait at every batch (recurrence_trigger_point,

@@ -367,7 +367,7 @@ __global__ void __launch_bounds__(kThreads, 2) mimo_step_stream_kernel(const Str
 #pragma unroll
     for (int off = 1; off < R; off <<= 1) out += __shfl_xor_sync(0xffffffffu, out, off);
     if (emits && e_rank == 0) {
-      a.o[(int64_t)b * a.o_stride + h * P + e_row] = out;
+      store_output(a.o, a.o_bf16, (int64_t)b * a.o_stride + h * P + e_row, out);
       st[prm.layout.x_prev + h * P + e_row] = e_x;
     }
   }

@@ -460,7 +460,7 @@ __device__ __forceinline__ void mimo_step_tc_body(const TcParams& prm) {
     if constexpr (kFused) {
       sm[L.os + e_row] = out;
     } else {
-      a.o[(int64_t)b * a.o_stride + h * P + p] = out;
+      store_output(a.o, a.o_bf16, (int64_t)b * a.o_stride + h * P + p, out);
     }
     xprev[p] = e_x;  // every read of the old x_prev happened before the first barrier
   }

@@ -112,6 +112,9 @@ Table make_table() {
             "bf16 weights: the recurrence on tensor cores from this batch (never: CUDA cores)");
   t.add_int("recurrence_fuse_max_batch", M3_ACCESS(int, recurrence_fuse_max_batch), nullptr,
             "tensor-core recurrence: out_proj fused into it up to this batch where the step variant asks");
+  t.add_int("projection_gemm_min_batch", M3_ACCESS(int, projection_gemm_min_batch), "never",
+            "the step's projections as cuBLASLt GEMMs (RMSNorm in its own kernel) from this batch (never: the "
+            "gemvs at every batch)");
   t.add_int("buckets_per_octave", M3_ACCESS(int, buckets_per_octave), nullptr,
             "decode graphs between one power of two and the next from batch 64 (1, 2, 4 or 8): a batch runs "
             "at the smallest that holds it");
@@ -192,6 +195,7 @@ void CudaPolicy::validate() const {
            prefill_graph_max_tokens);
   }
   if (recurrence_fuse_max_batch < 0) refuse("recurrence_fuse_max_batch", "0 or more", recurrence_fuse_max_batch);
+  if (projection_gemm_min_batch < 0) refuse("projection_gemm_min_batch", "0 (never) or more", projection_gemm_min_batch);
   if (!decode_buckets_refusal(buckets_per_octave).empty()) refuse("buckets_per_octave", "1, 2, 4 or 8", buckets_per_octave);
   const StepVariantPolicy& v = step_variants;
   if (v.batch1_gemv_rows_per_warp != 0 && v.batch1_gemv_rows_per_warp != 2 && v.batch1_gemv_rows_per_warp != 4) {

@@ -50,6 +50,10 @@ struct CudaPolicy {
   // fused into it up to recurrence_fuse_max_batch where the step variant asks for it.
   int recurrence_tensor_core_min_batch = 1;
   int recurrence_fuse_max_batch = 2;
+  // The step's projections (in_proj, out_proj, the MLP, lm_head) as cuBLASLt GEMMs, each
+  // with RMSNorm as its own row kernel, in the buckets from this batch (0: never; the gemvs
+  // everywhere), model/cuda/step_gemms.h.
+  int projection_gemm_min_batch = 512;
   // Decode graphs between one power of two and the next from batch 64 (model/decode_buckets.h):
   // a batch runs at the smallest that holds it; 1: powers of two only.
   int buckets_per_octave = 8;

@@ -17,7 +17,8 @@ inline constexpr int kMaxBatchLimit = 4096;  // the most slots an engine is conf
 // with bf16 state the ssm part (the bulk) takes 2 bytes an element, the rest stays fp32.
 int64_t slot_state_bytes(const ModelConfig& config, StateDType state_dtype);
 // Bytes the CUDA engine's step buffers take per slot of its largest bucket (residual,
-// in_proj output, mixer output, MLP activation, logits, tables): fp32 throughout.
+// in_proj output, mixer output, MLP activation, logits, the GEMMs' normed rows and fc1
+// output, tables): fp32 throughout.
 int64_t slot_step_buffer_bytes(const ModelConfig& config);
 // Bytes the weights take on the device.
 int64_t weight_bytes(const ModelConfig& config, WeightDType weight_dtype);

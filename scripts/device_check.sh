@@ -29,7 +29,7 @@
 #                  the sets taking turns twice, so that drift shows
 #   bench    m3bench decode at batch 1-64 (per kernel) and 64-4096
 #   state_bf16  the same with bf16 state, and m3drift: bf16 against fp32 state over 2,000 tokens
-#   trace    each kernel's place in the decode graph (CUPTI) at batch 1, 16 and 64
+#   trace    each kernel's place in the decode graph (CUPTI) at batch 1, 16 and 64 (TRACE_BATCHES)
 #   serve    scripts/device_serve_check.sh run with 2048-token prompts, once a line of
 #            SERVE_FLAG_SETS (m3serve flags; default: the defaults, then each prefill path)
 #   realtime scripts/device_serve_check.sh realtime (REALTIME_FLAGS: more m3serve flags)
@@ -274,7 +274,7 @@ run_decode_ncu() {
 # kernel_trace_b<batch>.csv each (scripts/kernel_trace_summary.py reads them).
 run_trace() {
   local b
-  for b in 1 16 64; do
+  for b in ${TRACE_BATCHES:-1 16 64}; do
     M3_TRACE_OUT="$OUT/kernel_trace_b$b.csv" CUDA_INJECTION64_PATH="$DEV/lib/libm3_kernel_trace.so" \
         LD_LIBRARY_PATH="$LD_LIBRARY_PATH:/usr/local/cuda/extras/CUPTI/lib64" \
         timeout 120 "$DEV/bin/m3bench" decode --config $CONFIG --batch $b --iters 10 >"$OUT/trace_bench_b$b.txt" 2>&1 ||

@@ -131,6 +131,9 @@ CudaEngine::CudaEngine(const ModelWeights& weights, const EngineOptions& options
                                        bf16_state);
   slot_state_floats_ = layout_.floats * c.n_layer;
 
+  // The gemvs take any shape; the GEMMs only rows of whole 16-byte pieces.
+  in_proj_stride_ = padded_in_proj_rows(c.in_proj_rows());
+  if (!step_gemm_refusal(c, in_proj_stride_).empty()) policy_.projection_gemm_min_batch = 0;
   bucket_sizes_ = decode_bucket_sizes(max_slots_, policy_.buckets_per_octave);
   max_bucket_ = max_slots_;
   bucket_of_batch_.assign(max_slots_ + 1, 0);
@@ -139,6 +142,8 @@ CudaEngine::CudaEngine(const ModelWeights& weights, const EngineOptions& options
     bucket_of_batch_[n] = g;
   }
   masks_ = DeviceMaskTable(SamplingMaskTable(options.sampling_masks, c.vocab_size));
+  const std::vector<std::vector<int>> gemm_rows = step_gemm_chain_rows(policy_, bucket_sizes_);
+  if (!gemm_rows.empty()) step_gemms_ = std::make_unique<StepGemms>(c, options.weight_dtype, in_proj_stride_, gemm_rows);
   allocate_buffers();
   params_.assign(max_slots_ + 1, kernels::SlotSampling{});
   has_sample_.assign(max_slots_, 0);
@@ -149,6 +154,13 @@ CudaEngine::CudaEngine(const ModelWeights& weights, const EngineOptions& options
   copy_unwaited_.assign(max_slots_, 0);
   for (auto& e : step_done_) M3_CUDA_CHECK(cudaEventCreateWithFlags(e.out(), cudaEventDisableTiming));
 
+  if (step_gemms_ != nullptr) {
+    const DeviceLayer& l0 = weights_.layers[0];
+    step_gemms_->load_kernels({l0.in_proj, l0.out_proj, weights_.lm_head, l0.fc1, l0.fc2, buffers_.gemm_u,
+                               buffers_.mixer_out, buffers_.mlp_act, buffers_.in_proj_out, buffers_.residual,
+                               buffers_.logits, buffers_.gemm_fc1_out},
+                              stream_);
+  }
   build_steps();
   if (chunked_prefill) {
     prefill_runner_ = std::make_unique<PrefillRunner>(config_, weights_, buffers_, layout_, policy_, max_slots_,
@@ -167,9 +179,14 @@ void CudaEngine::allocate_buffers() {
   const size_t B = max_bucket_;
   state_ = DeviceBuffer(sizeof(float) * slot_state_floats_ * n_all, "recurrent state");
   res_ = DeviceBuffer(sizeof(float) * B * c.d_model, "residual stream");
-  w_ = DeviceBuffer(sizeof(float) * B * c.in_proj_rows(), "in_proj output");
+  w_ = DeviceBuffer(sizeof(float) * B * in_proj_stride_, "in_proj output");
   o_ = DeviceBuffer(sizeof(float) * B * c.d_inner(), "mixer output");
   if (c.has_mlp()) act_ = DeviceBuffer(sizeof(float) * B * c.mlp_width(), "mlp activation");
+  if (step_gemms_ != nullptr) {
+    gemm_u_ = DeviceBuffer(sizeof(float) * B * c.d_model, "normed rows for the step's GEMMs");
+    M3_CUDA_CHECK(cudaMemset(gemm_u_.get(), 0, gemm_u_.bytes()));
+    if (c.has_mlp()) gemm_fc1_out_ = DeviceBuffer(sizeof(float) * B * 2 * c.mlp_width(), "fc1 output");
+  }
   logits_ = DeviceBuffer(sizeof(float) * B * c.padded_vocab(), "logits");
   table_ = DeviceBuffer(sizeof(int32_t) * table_ints() * kMaxQueuedSteps, "step tables");
   params_dev_ = DeviceBuffer(sizeof(kernels::SlotSampling) * n_all, "sampling params");
@@ -186,6 +203,8 @@ void CudaEngine::allocate_buffers() {
 
   M3_CUDA_CHECK(cudaMemset(state_.get(), 0, state_.bytes()));
   M3_CUDA_CHECK(cudaMemset(res_.get(), 0, res_.bytes()));
+  M3_CUDA_CHECK(cudaMemset(o_.get(), 0, o_.bytes()));  // the GEMMs' warm-up reads them (load_kernels)
+  if (act_.get() != nullptr) M3_CUDA_CHECK(cudaMemset(act_.get(), 0, act_.bytes()));
   M3_CUDA_CHECK(cudaMemset(counters_.get(), 0, counters_.bytes()));
   M3_CUDA_CHECK(cudaMemset(last_token_.get(), 0, last_token_.bytes()));
   M3_CUDA_CHECK(cudaMemset(frame_positions_.get(), 0, frame_positions_.bytes()));
@@ -200,6 +219,9 @@ void CudaEngine::allocate_buffers() {
   buffers_.slot_state_floats = slot_state_floats_;
   buffers_.residual = res_.as<float>();
   buffers_.in_proj_out = w_.as<float>();
+  buffers_.in_proj_stride = in_proj_stride_;
+  buffers_.gemm_u = gemm_u_.get();
+  buffers_.gemm_fc1_out = gemm_fc1_out_.as<float>();
   buffers_.mixer_out = o_.as<float>();
   buffers_.mlp_act = act_.as<float>();
   buffers_.logits = logits_.as<float>();
@@ -223,7 +245,7 @@ CudaEngine::~CudaEngine() {
 }
 
 void CudaEngine::build_steps() {
-  const StepPlanner planner(config_, weights_, buffers_, layout_, policy_);
+  const StepPlanner planner(config_, weights_, buffers_, layout_, policy_, step_gemms_.get());
   for (int batch : bucket_sizes_) {
     std::vector<StepGraph> candidates;
     for (const StepVariant& v : step_variant_candidates(batch, policy_.step_variants)) {

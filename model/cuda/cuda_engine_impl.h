@@ -136,6 +136,11 @@ class CudaEngine final : public Engine, public CudaProfiling {
 
   DeviceBuffer state_;       // [max_slots + 1][n_layer][layout_.floats]
   DeviceBuffer res_, w_, o_, act_, logits_;
+  int in_proj_stride_ = 0;  // w_'s row stride (padded_in_proj_rows: the in_proj GEMM's rows)
+  // The buckets' projections as GEMMs (cuda.projection_gemm_min_batch; null where none
+  // uses them), and the rows only they need.
+  std::unique_ptr<StepGemms> step_gemms_;
+  DeviceBuffer gemm_u_, gemm_fc1_out_;
   // Two step tables, one per position in the queue's ring, each int32 [table_ints()]:
   // slots, tokens, state parities (max_bucket each). A queued step's table is copied on
   // table_stream_ while the step before it runs (the other table), so no copy sits

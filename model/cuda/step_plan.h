@@ -16,6 +16,7 @@
 #include "model/config.h"
 #include "model/cuda/device_weights.h"
 #include "model/cuda/profiling.h"
+#include "model/cuda/step_gemms.h"
 #include "model/cuda_policy.h"
 
 namespace m3::cuda {
@@ -37,9 +38,17 @@ struct StepBuffers {
   float* state = nullptr;  // [slots + 1][n_layer][layout.floats]
   int64_t slot_state_floats = 0;
   float* residual = nullptr;  // [max_bucket, d_model]
-  float* in_proj_out = nullptr;  // [max_bucket, in_proj_rows]
-  float* mixer_out = nullptr;  // [max_bucket, d_inner]
-  float* mlp_act = nullptr;    // [max_bucket, mlp_width] or null
+  float* in_proj_out = nullptr;  // [max_bucket, in_proj_stride]
+  int in_proj_stride = 0;        // padded_in_proj_rows(in_proj_rows): the in_proj GEMM's rows
+  // [max_bucket, d_inner]: fp32, or the weights' type where out_proj is a GEMM.
+  float* mixer_out = nullptr;
+  // [max_bucket, mlp_width] or null: fp32, or the weights' type where fc2 is a GEMM.
+  float* mlp_act = nullptr;
+  // Where the projections are GEMMs (StepGemms), else null: the RMS-normed rows of the
+  // residual in the weights' type [max_bucket, d_model], and fc1's output (MLP only) fp32
+  // [max_bucket, 2 * mlp_width].
+  void* gemm_u = nullptr;
+  float* gemm_fc1_out = nullptr;
   float* logits = nullptr;     // [max_bucket, padded_vocab]
   // Step tables, each int32 [3 * max_bucket]: slots, tokens, state parities.
   int32_t* tables = nullptr;
@@ -54,21 +63,30 @@ struct StepBuffers {
   size_t table_ints() const { return 3 * static_cast<size_t>(max_bucket); }
 };
 
+// Chains a bucket of `batch` rows splits into: each serves its share of the rows with its
+// own kernels, and the chains run side by side, so one chain's memory-bound recurrence
+// overlaps another's latency-bound projections; below batch 32 the chains only compete.
+int step_chains(const CudaPolicy& policy, int batch);
+// Rows of chain k of `chains` in a bucket of `batch` rows.
+inline int chain_row0(int batch, int chains, int k) { return k * batch / chains; }
+// Whether the bucket's projections run as GEMMs (cuda.projection_gemm_min_batch).
+bool step_uses_gemms(const CudaPolicy& policy, int batch);
+// For StepGemms: chain k's row count in every bucket of `buckets` that uses GEMMs.
+std::vector<std::vector<int>> step_gemm_chain_rows(const CudaPolicy& policy, const std::vector<int>& buckets);
+
 class StepPlanner {
  public:
-  // Keeps references to all four: they outlive the planner (the engine's members).
+  // Keeps references to all of them: they outlive the planner (the engine's members).
+  // `gemms`: the GEMM plans of the buckets that use them (null where none does).
   StepPlanner(const ModelConfig& config, const DeviceWeights& weights, const StepBuffers& buffers,
-              const kernels::MimoStateLayout& layout, const CudaPolicy& policy);
+              const kernels::MimoStateLayout& layout, const CudaPolicy& policy, const StepGemms* gemms);
 
   // The step of the `batch`-row bucket built the `variant` way, reading device table
   // `table` (one per place in the engine's step queue) and writing its ids into that
   // place's part of the sampled ids.
   StepPlan plan(int batch, const StepVariant& variant, int table) const;
 
-  // Chains a bucket splits into: each serves its share of the rows with its own kernels,
-  // and the chains run side by side, so one chain's memory-bound recurrence overlaps
-  // another's latency-bound projections; below batch 32 the chains only compete.
-  int chains_for_batch(int batch) const;
+  int chains_for_batch(int batch) const { return step_chains(policy_, batch); }
 
  private:
   // One chain's share of the step: its rows and where they live.
@@ -81,6 +99,10 @@ class StepPlanner {
     int32_t* sampled = nullptr;
     float *residual = nullptr, *in_proj_out = nullptr, *mixer_out = nullptr, *mlp_act = nullptr, *logits = nullptr;
     const StepVariant* variant = nullptr;
+    // The projections as GEMMs (null: gemvs), with the chain's rows of their buffers.
+    const ChainGemms* gemm = nullptr;
+    void* u = nullptr;
+    float* fc1_out = nullptr;
   };
   // What a chain's planning found out (for the plan's variant).
   struct Outcome {
@@ -106,12 +128,18 @@ class StepPlanner {
   kernels::GemvArgs projection(const Chain& chain, const void* weight, int out_rows, int cols, const float* x,
                                const float* norm, float* y, kernels::GemvEpilogue epilogue) const;
   size_t matrix_element_bytes() const;
+  // The GEMM path's launches: x's rows RMS-normed by `norm` into the chain's u, and
+  // y (+)= x W^T by `gemm` (both on the chain's rows).
+  kernels::KernelLaunch norm_rows(const Chain& chain, const float* x, const float* norm, const char* name) const;
+  kernels::KernelLaunch gemm_call(const Chain& chain, const kernels::LtGemm& gemm, const void* weight, const void* x,
+                                  float* y, const char* name) const;
 
   const ModelConfig& config_;
   const DeviceWeights& weights_;
   const StepBuffers& buffers_;
   const kernels::MimoStateLayout& layout_;
   const CudaPolicy& policy_;
+  const StepGemms* gemms_;
 };
 
 }  // namespace m3::cuda

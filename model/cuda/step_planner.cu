@@ -1,9 +1,11 @@
 #include "model/cuda/step_plan.h"
 
 #include <algorithm>
+#include <stdexcept>
 #include <string>
 
 #include "kernels/embedding.cuh"
+#include "kernels/prefill_rows.cuh"
 
 namespace m3::cuda {
 
@@ -22,14 +24,31 @@ StepPlanReport StepPlan::report() const {
   return r;
 }
 
-StepPlanner::StepPlanner(const ModelConfig& config, const DeviceWeights& weights, const StepBuffers& buffers,
-                         const kernels::MimoStateLayout& layout, const CudaPolicy& policy)
-    : config_(config), weights_(weights), buffers_(buffers), layout_(layout), policy_(policy) {}
-
-int StepPlanner::chains_for_batch(int batch) const {
-  const int chains = policy_.chains > 0 ? policy_.chains : batch >= 32 ? 2 : 1;
+int step_chains(const CudaPolicy& policy, int batch) {
+  const int chains = policy.chains > 0 ? policy.chains : batch >= 32 ? 2 : 1;
   return std::max(1, std::min(chains, batch));
 }
+
+bool step_uses_gemms(const CudaPolicy& policy, int batch) {
+  return policy.projection_gemm_min_batch > 0 && batch >= policy.projection_gemm_min_batch;
+}
+
+std::vector<std::vector<int>> step_gemm_chain_rows(const CudaPolicy& policy, const std::vector<int>& buckets) {
+  std::vector<std::vector<int>> rows;
+  for (const int batch : buckets) {
+    if (!step_uses_gemms(policy, batch)) continue;
+    const int chains = step_chains(policy, batch);
+    if (static_cast<int>(rows.size()) < chains) rows.resize(chains);
+    for (int k = 0; k < chains; ++k) {
+      rows[k].push_back(chain_row0(batch, chains, k + 1) - chain_row0(batch, chains, k));
+    }
+  }
+  return rows;
+}
+
+StepPlanner::StepPlanner(const ModelConfig& config, const DeviceWeights& weights, const StepBuffers& buffers,
+                         const kernels::MimoStateLayout& layout, const CudaPolicy& policy, const StepGemms* gemms)
+    : config_(config), weights_(weights), buffers_(buffers), layout_(layout), policy_(policy), gemms_(gemms) {}
 
 StepPlan StepPlanner::plan(int batch, const StepVariant& variant, int table) const {
   const ModelConfig& c = config_;
@@ -39,10 +58,11 @@ StepPlan StepPlanner::plan(int batch, const StepVariant& variant, int table) con
   g.batch = batch;
   Outcome outcome;
   const int chains = chains_for_batch(batch);
+  const bool gemms = step_uses_gemms(policy_, batch);
   for (int k = 0; k < chains; ++k) {
     Chain chain;
-    chain.row0 = k * batch / chains;
-    chain.rows = (k + 1) * batch / chains - chain.row0;
+    chain.row0 = chain_row0(batch, chains, k);
+    chain.rows = chain_row0(batch, chains, k + 1) - chain.row0;
     chain.split = chains > 1;
     const size_t row0 = static_cast<size_t>(chain.row0);
     chain.slots = slots + row0;
@@ -50,11 +70,20 @@ StepPlan StepPlanner::plan(int batch, const StepVariant& variant, int table) con
     chain.parities = slots + 2 * B + row0;
     chain.sampled = buffers_.sampled + table * B + row0;
     chain.residual = buffers_.residual + row0 * c.d_model;
-    chain.in_proj_out = buffers_.in_proj_out + row0 * c.in_proj_rows();
+    chain.in_proj_out = buffers_.in_proj_out + row0 * buffers_.in_proj_stride;
     chain.mixer_out = buffers_.mixer_out + row0 * c.d_inner();
     chain.mlp_act = c.has_mlp() ? buffers_.mlp_act + row0 * c.mlp_width() : nullptr;
     chain.logits = buffers_.logits + row0 * c.padded_vocab();
     chain.variant = &variant;
+    if (gemms) {
+      chain.gemm = gemms_ != nullptr ? gemms_->chain(k) : nullptr;
+      if (chain.gemm == nullptr || buffers_.gemm_u == nullptr) {
+        throw std::logic_error("step planner: bucket " + std::to_string(batch) + " uses GEMMs, none were made for chain " +
+                               std::to_string(k));
+      }
+      chain.u = static_cast<char*>(buffers_.gemm_u) + row0 * c.d_model * matrix_element_bytes();
+      chain.fc1_out = c.has_mlp() ? buffers_.gemm_fc1_out + row0 * 2 * c.mlp_width() : nullptr;
+    }
     g.chain_begin.push_back(g.launches.size());
     plan_chain(chain, batch, g.launches, outcome);
   }
@@ -98,9 +127,31 @@ kernels::GemvArgs StepPlanner::projection(const Chain& chain, const void* weight
   return a;
 }
 
+kernels::KernelLaunch StepPlanner::norm_rows(const Chain& chain, const float* x, const float* norm,
+                                             const char* name) const {
+  const int cols = config_.d_model, rows = chain.rows;
+  const WeightDType type = weights_.type;
+  void* u = chain.u;
+  return kernels::KernelLaunch::library(name, [=](cudaStream_t stream) {
+           kernels::rmsnorm_rows(x, cols, norm, cols, ModelConfig::kNormEps, u, type, cols, rows, stream);
+         })
+      .described("RMSNorm of " + std::to_string(rows) + " rows");
+}
+
+kernels::KernelLaunch StepPlanner::gemm_call(const Chain& chain, const kernels::LtGemm& gemm, const void* weight,
+                                             const void* x, float* y, const char* name) const {
+  const int rows = chain.rows;
+  const kernels::LtGemm* g = &gemm;
+  const kernels::LtGemmShape& s = gemm.shape();
+  return kernels::KernelLaunch::library(name, [=](cudaStream_t stream) { g->run(weight, x, y, rows, stream); })
+      .described("cuBLASLt GEMM " + std::to_string(rows) + " x " + std::to_string(s.in_features) + " -> " +
+                 std::to_string(s.out_features) + (s.accumulate ? ", accumulating" : ""));
+}
+
 kernels::GemvGather StepPlanner::plan_embedding(const Chain& chain, std::vector<kernels::KernelLaunch>& out) const {
   const ModelConfig& c = config_;
-  if (chain.variant->embedding_gathered) {
+  // (The GEMM path's first norm reads the residual: the embedding rows come by their kernel.)
+  if (chain.variant->embedding_gathered && chain.gemm == nullptr) {
     return kernels::GemvGather{weights_.embedding, c.padded_vocab(), chain.slots, chain.tokens,
                                buffers_.last_token, chain.residual};
   }
@@ -115,10 +166,16 @@ void StepPlanner::plan_mixer(int layer, const Chain& chain, const kernels::GemvG
   const ModelConfig& c = config_;
   const auto L = c.in_proj_layout();
   const DeviceLayer& lw = weights_.layers[layer];
-  kernels::GemvArgs in_proj = projection(chain, lw.in_proj, c.in_proj_rows(), c.d_model, chain.residual, lw.norm,
-                                         chain.in_proj_out, kernels::GemvEpilogue::Store);
-  in_proj.gather = gather;
-  out.push_back(kernels::plan_gemv(in_proj).named("in_proj"));
+  if (chain.gemm != nullptr) {
+    out.push_back(norm_rows(chain, chain.residual, lw.norm, "in_proj_norm"));
+    out.push_back(gemm_call(chain, *chain.gemm->in_proj, lw.in_proj, chain.u, chain.in_proj_out, "in_proj"));
+  } else {
+    kernels::GemvArgs in_proj = projection(chain, lw.in_proj, c.in_proj_rows(), c.d_model, chain.residual, lw.norm,
+                                           chain.in_proj_out, kernels::GemvEpilogue::Store);
+    in_proj.y_stride = buffers_.in_proj_stride;
+    in_proj.gather = gather;
+    out.push_back(kernels::plan_gemv(in_proj).named("in_proj"));
+  }
 
   kernels::MimoStepArgs m;
   m.heads = c.n_heads();
@@ -130,7 +187,7 @@ void StepPlanner::plan_mixer(int layer, const Chain& chain, const kernels::GemvG
   m.a_floor = static_cast<float>(c.ssm.A_floor);
   m.norm_eps = ModelConfig::kNormEps;
   m.w = chain.in_proj_out;
-  m.w_stride = c.in_proj_rows();
+  m.w_stride = buffers_.in_proj_stride;
   m.off_z = L.z; m.off_x = L.x; m.off_B = L.B; m.off_C = L.C;
   m.off_dt = L.dd_dt; m.off_A = L.dd_A; m.off_trap = L.trap; m.off_ang = L.ang;
   m.dt_bias = lw.dt_bias; m.D = lw.D; m.B_bias = lw.B_bias; m.C_bias = lw.C_bias;
@@ -144,6 +201,7 @@ void StepPlanner::plan_mixer(int layer, const Chain& chain, const kernels::GemvG
   m.parities = chain.parities;
   m.o = chain.mixer_out;
   m.o_stride = c.d_inner();
+  m.o_bf16 = chain.gemm != nullptr && weights_.type == WeightDType::BF16;  // out_proj's GEMM input
   m.batch = chain.rows;
   m.beside_other_chains = chain.split;
   // The recurrence on tensor cores (tf32 operands) only where the weights are bf16:
@@ -156,7 +214,8 @@ void StepPlanner::plan_mixer(int layer, const Chain& chain, const kernels::GemvG
   // blocks from starting early, and the atomics grow with the batch.
   const StepVariant& variant = *chain.variant;
   bool out_proj_fused = false;
-  if (variant.out_proj_fused && chain.rows <= (m.tensor_cores ? policy_.recurrence_fuse_max_batch : 2)) {
+  if (variant.out_proj_fused && chain.gemm == nullptr &&
+      chain.rows <= (m.tensor_cores ? policy_.recurrence_fuse_max_batch : 2)) {
     m.out_proj = lw.out_proj;
     m.out_proj_type = weights_.type;
     m.residual = chain.residual;
@@ -170,7 +229,9 @@ void StepPlanner::plan_mixer(int layer, const Chain& chain, const kernels::GemvG
   outcome.out_proj_fused = outcome.out_proj_fused || out_proj_fused;
   out.push_back(kernels::plan_mimo_step(m, policy_.recurrence));
 
-  if (!out_proj_fused) {
+  if (chain.gemm != nullptr) {
+    out.push_back(gemm_call(chain, *chain.gemm->out_proj, lw.out_proj, chain.mixer_out, chain.residual, "out_proj"));
+  } else if (!out_proj_fused) {
     out.push_back(kernels::plan_gemv(projection(chain, lw.out_proj, c.d_model, c.d_inner(), chain.mixer_out, nullptr,
                                                 chain.residual, kernels::GemvEpilogue::Accumulate))
                       .named("out_proj"));
@@ -180,6 +241,19 @@ void StepPlanner::plan_mixer(int layer, const Chain& chain, const kernels::GemvG
 void StepPlanner::plan_mlp(int layer, const Chain& chain, std::vector<kernels::KernelLaunch>& out) const {
   const ModelConfig& c = config_;
   const DeviceLayer& lw = weights_.layers[layer];
+  if (chain.gemm != nullptr) {
+    out.push_back(norm_rows(chain, chain.residual, lw.norm2, "fc1_norm"));
+    out.push_back(gemm_call(chain, *chain.gemm->fc1, lw.fc1, chain.u, chain.fc1_out, "fc1"));
+    const int F = c.mlp_width(), rows = chain.rows;
+    const WeightDType type = weights_.type;
+    const float* fc1_out = chain.fc1_out;
+    void* act = chain.mlp_act;
+    out.push_back(kernels::KernelLaunch::library("gated_silu", [=](cudaStream_t stream) {
+      kernels::gated_silu_rows(fc1_out, 2 * F, F, act, type, F, rows, stream);
+    }));
+    out.push_back(gemm_call(chain, *chain.gemm->fc2, lw.fc2, chain.mlp_act, chain.residual, "fc2"));
+    return;
+  }
   out.push_back(kernels::plan_gemv(projection(chain, lw.fc1, c.mlp_width(), c.d_model, chain.residual, lw.norm2,
                                               chain.mlp_act, kernels::GemvEpilogue::GatedSilu))
                     .named("fc1"));
@@ -190,9 +264,14 @@ void StepPlanner::plan_mlp(int layer, const Chain& chain, std::vector<kernels::K
 
 void StepPlanner::plan_head(const Chain& chain, int batch, std::vector<kernels::KernelLaunch>& out) const {
   const ModelConfig& c = config_;
-  out.push_back(kernels::plan_gemv(projection(chain, weights_.lm_head, c.padded_vocab(), c.d_model, chain.residual,
-                                              weights_.norm_f, chain.logits, kernels::GemvEpilogue::Store))
-                    .named("lm_head"));
+  if (chain.gemm != nullptr) {
+    out.push_back(norm_rows(chain, chain.residual, weights_.norm_f, "lm_head_norm"));
+    out.push_back(gemm_call(chain, *chain.gemm->lm_head, weights_.lm_head, chain.u, chain.logits, "lm_head"));
+  } else {
+    out.push_back(kernels::plan_gemv(projection(chain, weights_.lm_head, c.padded_vocab(), c.d_model, chain.residual,
+                                                weights_.norm_f, chain.logits, kernels::GemvEpilogue::Store))
+                      .named("lm_head"));
+  }
 
   kernels::SamplingArgs s;
   s.logits = chain.logits;

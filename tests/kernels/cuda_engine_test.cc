@@ -483,6 +483,58 @@ TEST_F(CudaEngineTest, StreamingRecurrenceFromItsBatchDecodesAsTheCpuEngine) {
   decode_against_cpu(*gpu, *ref, V(), 3e-2, sixteen);
 }
 
+// cuda.projection_gemm_min_batch puts the projections of every bucket from that batch on
+// cuBLASLt GEMMs (RMSNorm before in_proj, fc1 and lm_head in kernels of their own), both
+// chains of a split bucket with their own plans; below it the gemvs stay. Each way the
+// engine decodes as the CPU engine does, with bf16 and fp32 weights, with and without
+// the MLP, alone and side by side with other slots.
+TEST_F(CudaEngineTest, ProjectionGemmsFromTheirBatchDecodeAsTheCpuEngine) {
+  M3_REQUIRE_CUDA_DEVICE();
+  for (const bool mlp : {false, true}) {
+    ModelConfig c = testing::small_config();
+    s2s_head_shape(c);
+    if (mlp) {
+      c.d_intermediate = 100;
+      c.ssm.is_outproj_norm = true;
+      c.tie_embeddings = false;
+    }
+    load(c);
+    for (const WeightDType dtype : {WeightDType::BF16, WeightDType::F32}) {
+      SCOPED_TRACE(std::string(mlp ? "mlp, " : "") + (dtype == WeightDType::BF16 ? "bf16" : "fp32"));
+      CudaPolicy policy;
+      policy.projection_gemm_min_batch = 8;
+      auto gpu = cuda(40, dtype, true, policy);
+      auto* impl = cuda::cuda_profiling(*gpu);
+      ASSERT_NE(impl, nullptr);
+      for (const int batch : {4, 16, 40}) {
+        const cuda::StepPlanReport plan = impl->step_plan(batch);
+        int gemms = 0, norms = 0, gemvs = 0;
+        for (const auto& chain : plan.chains) {
+          for (const cuda::PlannedKernel& k : chain) {
+            gemms += k.variant.rfind("cuBLASLt GEMM", 0) == 0;
+            norms += k.name.ends_with("_norm");
+            gemvs += (k.name == "in_proj" || k.name == "out_proj" || k.name == "lm_head" || k.name == "fc1" ||
+                      k.name == "fc2") &&
+                     k.variant.rfind("cuBLASLt GEMM", 0) != 0;
+          }
+        }
+        const int chains = static_cast<int>(plan.chains.size());
+        const int per_layer = mlp ? 4 : 2;  // in_proj, out_proj (+ fc1, fc2)
+        EXPECT_EQ(gemms, batch >= 8 ? chains * (c.n_layer * per_layer + 1) : 0) << cuda::to_string(plan);
+        EXPECT_EQ(norms, batch >= 8 ? chains * (c.n_layer * (mlp ? 2 : 1) + 1) : 0) << cuda::to_string(plan);
+        if (batch < 8) EXPECT_GT(gemvs, 0) << cuda::to_string(plan);
+        if (batch >= 8) EXPECT_EQ(gemvs, 0) << cuda::to_string(plan);
+      }
+      auto ref = cpu(40);
+      const double tol = dtype == WeightDType::BF16 ? 3e-2 : 1e-3;
+      decode_against_cpu(*gpu, *ref, V(), tol, {3, 0, 17, 39});
+      std::vector<int32_t> many(33);
+      std::iota(many.begin(), many.end(), 5);
+      decode_against_cpu(*gpu, *ref, V(), tol, many);
+    }
+  }
+}
+
 // EngineOptions::deterministic keeps atomics out of the step (out_proj is not fused at
 // batch 1 or 2, bf16 or fp32), so a sequence decoded again from reset, sampled, gets the
 // same logits bit for bit.

@@ -214,5 +214,45 @@ TEST(PrefillGemm, MatchesTheTwinAtEveryRowBucket) {
   }
 }
 
+// With its row counts listed (the decode step's chains, whose rows lie next to each other)
+// a GEMM computes exactly the rows it is called with: the rows after them keep what they
+// held, and a count it was not planned for is refused.
+TEST(PrefillGemm, ListedRowCountsTouchOnlyTheirRows) {
+  M3_REQUIRE_CUDA_DEVICE();
+  const int out_f = 200, in_f = 136, x_stride = 144, y_stride = 204, max_rows = 100;
+  kernels::LtContext ctx(4u << 20);
+  const std::vector<float> W = testing::round_bf16(testing::random_floats(static_cast<size_t>(out_f) * in_f, 8));
+  const std::vector<float> X = testing::round_bf16(testing::random_floats(static_cast<size_t>(max_rows) * x_stride, 9));
+  const std::vector<float> Y0 = testing::random_floats(static_cast<size_t>(max_rows) * y_stride, 10);
+  DeviceArray<uint16_t> w16(testing::to_bf16(W)), x16(testing::to_bf16(X));
+  kernels::LtGemmShape shape{out_f, in_f, max_rows, WeightDType::BF16, x_stride, y_stride, true};
+  shape.row_counts = {40, 3, 100, 40};
+  const kernels::LtGemm gemm(ctx, shape);
+  for (int rows : {3, 40, 100}) {
+    SCOPED_TRACE("rows " + std::to_string(rows));
+    DeviceArray<float> y(Y0);
+    gemm.run(w16.get(), x16.get(), y.get(), rows, nullptr);
+    M3_CUDA_CHECK(cudaDeviceSynchronize());
+    const std::vector<float> got = y.download();
+    std::vector<float> g;
+    std::vector<double> e;
+    for (int r = 0; r < rows; ++r)
+      for (int j = 0; j < out_f; ++j) {
+        double acc = Y0[r * y_stride + j];
+        for (int k = 0; k < in_f; ++k) acc += static_cast<double>(X[r * x_stride + k]) * W[j * in_f + k];
+        e.push_back(acc);
+        g.push_back(got[r * y_stride + j]);
+      }
+    EXPECT_LE(testing::max_rel_err(g, e), 1e-5);
+    for (size_t i = static_cast<size_t>(rows) * y_stride; i < got.size(); ++i) ASSERT_EQ(got[i], Y0[i]) << i;
+  }
+  EXPECT_NE(test::error_of<std::invalid_argument>([&] { gemm.run(w16.get(), x16.get(), nullptr, 41, nullptr); })
+                .find("not one of the row counts"),
+            std::string::npos);
+  shape.row_counts = {101};
+  EXPECT_NE(test::error_of<std::invalid_argument>([&] { kernels::LtGemm(ctx, shape); }).find("outside 1 to max_rows"),
+            std::string::npos);
+}
+
 }  // namespace
 }  // namespace m3

@@ -12,7 +12,7 @@ namespace {
 TEST(CudaPolicyTest, DefaultsAreThePlannedStep) {
   EXPECT_EQ(to_string(CudaPolicy{}),
             "pdl=true chains=planned next_step_prefetch=true recurrence_tensor_core_min_batch=1 "
-            "recurrence_fuse_max_batch=2 buckets_per_octave=8 prefill=auto prefill_graph_max_tokens=512 "
+            "recurrence_fuse_max_batch=2 projection_gemm_min_batch=512 buckets_per_octave=8 prefill=auto prefill_graph_max_tokens=512 "
             "step_variants.out_proj_fused=measure "
             "step_variants.embedding_gathered=measure step_variants.batch1_gemv_rows_per_warp=measure "
             "step_variants.batch2_gemv=measure step_variants.fused_cluster=measure gemv.trigger=before_wait "

@@ -30,8 +30,9 @@ TEST(SlotBudget, StateBytesOfS2s14l) {
   EXPECT_EQ(slot_state_bytes(c, StateDType::F32), int64_t{246'400} * 4 * 14);  // 13.8 MB
   // bf16: only the 28 x 64 x 128 ssm floats a layer take 2 bytes; the other 17,024 stay fp32.
   EXPECT_EQ(slot_state_bytes(c, StateDType::BF16), (int64_t{229'376} * 2 + 17'024 * 4) * 14);
-  // residual 896 + in_proj 4,724 + mixer 1,792 + logits 4,096 floats, + 128 bytes of tables.
-  EXPECT_EQ(slot_step_buffer_bytes(c), 4 * 11'508 + 128);
+  // residual 896 + in_proj 4,736 (4,724 padded to 64) + mixer 1,792 + logits 4,096 + the
+  // GEMMs' normed rows 896 floats, + 128 bytes of tables.
+  EXPECT_EQ(slot_step_buffer_bytes(c), 4 * 12'416 + 128);
   EXPECT_EQ(weight_bytes(c, WeightDType::BF16), 2 * c.parameter_count());
   EXPECT_EQ(weight_bytes(c, WeightDType::F32), 4 * c.parameter_count());
 }
