@@ -90,6 +90,22 @@ struct Table {
     settings.push_back({path, help, [access](const CudaPolicy& p) { return bool_text(field(p, access)); },
                         [access](CudaPolicy& p, std::string_view t) { return parse_bool(t, &access(p)); }});
   }
+  // An int whose -1 reads "planned" (the engine picks by what it runs) and 0 `zero`.
+  void add_planned_int(const char* path, Access<int> access, const char* zero, const char* help) {
+    settings.push_back({path, help,
+                        [access, zero](const CudaPolicy& p) {
+                          return field(p, access) == -1 ? std::string("planned") : int_text(field(p, access), zero);
+                        },
+                        [access, zero](CudaPolicy& p, std::string_view t) {
+                          if (t == "planned") {
+                            access(p) = -1;
+                            return std::string();
+                          }
+                          if (parse_int(t, zero, &access(p)).empty()) return std::string();
+                          return "expected an integer, " + std::string(zero) + " or planned, got '" + std::string(t) +
+                                 "'";
+                        }});
+  }
   void add_int(const char* path, Access<int> access, const char* zero, const char* help) {
     settings.push_back({path, help, [access, zero](const CudaPolicy& p) { return int_text(field(p, access), zero); },
                         [access, zero](CudaPolicy& p, std::string_view t) { return parse_int(t, zero, &access(p)); }});
@@ -112,9 +128,9 @@ Table make_table() {
             "bf16 weights: the recurrence on tensor cores from this batch (never: CUDA cores)");
   t.add_int("recurrence_fuse_max_batch", M3_ACCESS(int, recurrence_fuse_max_batch), nullptr,
             "tensor-core recurrence: out_proj fused into it up to this batch where the step variant asks");
-  t.add_int("projection_gemm_min_batch", M3_ACCESS(int, projection_gemm_min_batch), "never",
-            "the step's projections as cuBLASLt GEMMs (RMSNorm in its own kernel) from this batch (never: the "
-            "gemvs at every batch)");
+  t.add_planned_int("projection_gemm_min_batch", M3_ACCESS(int, projection_gemm_min_batch), "never",
+                    "the step's projections as cuBLASLt GEMMs (RMSNorm in its own kernel) from this batch: planned "
+                    "(1024 with fp32 state, 128 with bf16 state) | N | never (the gemvs at every batch)");
   t.add_int("buckets_per_octave", M3_ACCESS(int, buckets_per_octave), nullptr,
             "decode graphs between one power of two and the next from batch 64 (1, 2, 4 or 8): a batch runs "
             "at the smallest that holds it");
@@ -195,7 +211,9 @@ void CudaPolicy::validate() const {
            prefill_graph_max_tokens);
   }
   if (recurrence_fuse_max_batch < 0) refuse("recurrence_fuse_max_batch", "0 or more", recurrence_fuse_max_batch);
-  if (projection_gemm_min_batch < 0) refuse("projection_gemm_min_batch", "0 (never) or more", projection_gemm_min_batch);
+  if (projection_gemm_min_batch < -1) {
+    refuse("projection_gemm_min_batch", "-1 (planned), 0 (never) or more", projection_gemm_min_batch);
+  }
   if (!decode_buckets_refusal(buckets_per_octave).empty()) refuse("buckets_per_octave", "1, 2, 4 or 8", buckets_per_octave);
   const StepVariantPolicy& v = step_variants;
   if (v.batch1_gemv_rows_per_warp != 0 && v.batch1_gemv_rows_per_warp != 2 && v.batch1_gemv_rows_per_warp != 4) {

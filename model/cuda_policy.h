@@ -51,9 +51,9 @@ struct CudaPolicy {
   int recurrence_tensor_core_min_batch = 1;
   int recurrence_fuse_max_batch = 2;
   // The step's projections (in_proj, out_proj, the MLP, lm_head) as cuBLASLt GEMMs, each
-  // with RMSNorm as its own row kernel, in the buckets from this batch (0: never; the gemvs
-  // everywhere), model/cuda/step_gemms.h.
-  int projection_gemm_min_batch = 512;
+  // with RMSNorm as its own row kernel, in the buckets from this batch (0: never, the gemvs
+  // everywhere; -1 planned by the state's type, model/cuda/step_gemms.h).
+  int projection_gemm_min_batch = -1;
   // Decode graphs between one power of two and the next from batch 64 (model/decode_buckets.h):
   // a batch runs at the smallest that holds it; 1: powers of two only.
   int buckets_per_octave = 8;

@@ -142,7 +142,7 @@ CudaEngine::CudaEngine(const ModelWeights& weights, const EngineOptions& options
     bucket_of_batch_[n] = g;
   }
   masks_ = DeviceMaskTable(SamplingMaskTable(options.sampling_masks, c.vocab_size));
-  const std::vector<std::vector<int>> gemm_rows = step_gemm_chain_rows(policy_, bucket_sizes_);
+  const std::vector<std::vector<int>> gemm_rows = step_gemm_chain_rows(policy_, layout_.ssm_bf16, bucket_sizes_);
   if (!gemm_rows.empty()) step_gemms_ = std::make_unique<StepGemms>(c, options.weight_dtype, in_proj_stride_, gemm_rows);
   allocate_buffers();
   params_.assign(max_slots_ + 1, kernels::SlotSampling{});

@@ -69,10 +69,15 @@ struct StepBuffers {
 int step_chains(const CudaPolicy& policy, int batch);
 // Rows of chain k of `chains` in a bucket of `batch` rows.
 inline int chain_row0(int batch, int chains, int k) { return k * batch / chains; }
-// Whether the bucket's projections run as GEMMs (cuda.projection_gemm_min_batch).
-bool step_uses_gemms(const CudaPolicy& policy, int batch);
+// The batch from which the step's projections run as GEMMs (cuda.projection_gemm_min_batch;
+// 0: never). Planned: from 1024 with fp32 state, where the gemvs run beside the other
+// chain's recurrence and a GEMM only pays once the rows are many; from 128 with bf16
+// state, whose cheaper recurrence leaves the projections more of the step.
+int projection_gemm_min_batch(const CudaPolicy& policy, bool state_bf16);
+bool step_uses_gemms(const CudaPolicy& policy, bool state_bf16, int batch);
 // For StepGemms: chain k's row count in every bucket of `buckets` that uses GEMMs.
-std::vector<std::vector<int>> step_gemm_chain_rows(const CudaPolicy& policy, const std::vector<int>& buckets);
+std::vector<std::vector<int>> step_gemm_chain_rows(const CudaPolicy& policy, bool state_bf16,
+                                                   const std::vector<int>& buckets);
 
 class StepPlanner {
  public:

@@ -12,7 +12,7 @@ namespace {
 TEST(CudaPolicyTest, DefaultsAreThePlannedStep) {
   EXPECT_EQ(to_string(CudaPolicy{}),
             "pdl=true chains=planned next_step_prefetch=true recurrence_tensor_core_min_batch=1 "
-            "recurrence_fuse_max_batch=2 projection_gemm_min_batch=512 buckets_per_octave=8 prefill=auto prefill_graph_max_tokens=512 "
+            "recurrence_fuse_max_batch=2 projection_gemm_min_batch=planned buckets_per_octave=8 prefill=auto prefill_graph_max_tokens=512 "
             "step_variants.out_proj_fused=measure "
             "step_variants.embedding_gathered=measure step_variants.batch1_gemv_rows_per_warp=measure "
             "step_variants.batch2_gemv=measure step_variants.fused_cluster=measure gemv.trigger=before_wait "
@@ -63,6 +63,23 @@ TEST(CudaPolicyTest, RefusesValuesNoPlannerTakesNamingTheField) {
             "cuda.buckets_per_octave must be 1, 2, 4 or 8, got 3");
   EXPECT_EQ(refusal([](CudaPolicy& p) { p.prefill_graph_max_tokens = 4096; }),
             "cuda.prefill_graph_max_tokens must be 0 (never) to 2048, got 4096");
+  EXPECT_EQ(refusal([](CudaPolicy& p) { p.projection_gemm_min_batch = -2; }),
+            "cuda.projection_gemm_min_batch must be -1 (planned), 0 (never) or more, got -2");
+}
+
+// projection_gemm_min_batch reads planned, never or a batch, and says so when it is none.
+TEST(CudaPolicyTest, ProjectionGemmsArePlannedNeverOrFromABatch) {
+  CudaPolicy p;
+  EXPECT_EQ(p.projection_gemm_min_batch, -1);
+  EXPECT_EQ(set_cuda_policy_value(p, "projection_gemm_min_batch", "never"), "");
+  EXPECT_EQ(p.projection_gemm_min_batch, 0);
+  EXPECT_TRUE(set_cuda_policy_flag(p, "--cuda-projection-gemm-min-batch", "256"));
+  EXPECT_EQ(p.projection_gemm_min_batch, 256);
+  EXPECT_NE(to_string(p).find("projection_gemm_min_batch=256"), std::string::npos);
+  EXPECT_EQ(set_cuda_policy_value(p, "projection_gemm_min_batch", "planned"), "");
+  EXPECT_EQ(p, CudaPolicy{});
+  EXPECT_EQ(set_cuda_policy_value(p, "projection_gemm_min_batch", "soon"),
+            "expected an integer, never or planned, got 'soon'");
 }
 
 }  // namespace
