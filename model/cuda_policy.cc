@@ -130,7 +130,7 @@ Table make_table() {
             "tensor-core recurrence: out_proj fused into it up to this batch where the step variant asks");
   t.add_planned_int("projection_gemm_min_batch", M3_ACCESS(int, projection_gemm_min_batch), "never",
                     "the step's projections as cuBLASLt GEMMs (RMSNorm in its own kernel) from this batch: planned "
-                    "(1024 with fp32 state, 128 with bf16 state) | N | never (the gemvs at every batch)");
+                    "(768 with fp32 state, 128 with bf16 state) | N | never (the gemvs at every batch)");
   t.add_int("buckets_per_octave", M3_ACCESS(int, buckets_per_octave), nullptr,
             "decode graphs between one power of two and the next from batch 64 (1, 2, 4 or 8): a batch runs "
             "at the smallest that holds it");

@@ -70,9 +70,10 @@ int step_chains(const CudaPolicy& policy, int batch);
 // Rows of chain k of `chains` in a bucket of `batch` rows.
 inline int chain_row0(int batch, int chains, int k) { return k * batch / chains; }
 // The batch from which the step's projections run as GEMMs (cuda.projection_gemm_min_batch;
-// 0: never). Planned: from 1024 with fp32 state, where the gemvs run beside the other
-// chain's recurrence and a GEMM only pays once the rows are many; from 128 with bf16
-// state, whose cheaper recurrence leaves the projections more of the step.
+// 0: never). Planned: from 768 with fp32 state, where the gemvs hide beside the other
+// chain's recurrence and the GEMMs (whose launches give up programmatic dependent launch)
+// only pay once the rows are many; from 128 with bf16 state, whose cheaper recurrence
+// leaves the projections more of the step.
 int projection_gemm_min_batch(const CudaPolicy& policy, bool state_bf16);
 bool step_uses_gemms(const CudaPolicy& policy, bool state_bf16, int batch);
 // For StepGemms: chain k's row count in every bucket of `buckets` that uses GEMMs.

@@ -31,7 +31,7 @@ int step_chains(const CudaPolicy& policy, int batch) {
 
 int projection_gemm_min_batch(const CudaPolicy& policy, bool state_bf16) {
   if (policy.projection_gemm_min_batch >= 0) return policy.projection_gemm_min_batch;
-  return state_bf16 ? 128 : 1024;
+  return state_bf16 ? 128 : 768;
 }
 
 bool step_uses_gemms(const CudaPolicy& policy, bool state_bf16, int batch) {
