@@ -94,7 +94,8 @@ StepPlan StepPlanner::plan(int batch, const StepVariant& variant, int table) con
     g.chain_begin.push_back(g.launches.size());
     plan_chain(chain, batch, g.launches, outcome);
   }
-  g.variant = StepVariant{outcome.out_proj_fused, variant.embedding_gathered, variant.gemv_rows_per_warp,
+  // (With GEMMs the embedding rows always come by their own kernel.)
+  g.variant = StepVariant{outcome.out_proj_fused, variant.embedding_gathered && !gemms, variant.gemv_rows_per_warp,
                           outcome.fused_cluster};
   return g;
 }
