@@ -140,7 +140,9 @@ struct LtGemm::Plan {
 
 LtGemm::LtGemm(const LtContext& context, const LtGemmShape& s) : plan_(std::make_unique<Plan>()) {
   const std::string what = describe(s);
-  if (!lt_gemm_shape_refusal(s).empty()) throw std::invalid_argument(what + ": " + lt_gemm_shape_refusal(s));
+  if (const std::string refusal = lt_gemm_shape_refusal(s); !refusal.empty()) {
+    throw std::invalid_argument(what + ": " + refusal);
+  }
   Plan& p = *plan_;
   p.shape = s;
   std::sort(p.shape.row_counts.begin(), p.shape.row_counts.end());
@@ -204,13 +206,10 @@ LtGemm& LtGemm::operator=(LtGemm&&) noexcept = default;
 
 const LtGemmShape& LtGemm::shape() const { return plan_->shape; }
 
-void LtGemm::run(const void* weight, const void* x, float* y, int rows, cudaStream_t stream) const {
+int LtGemm::bucket_of(int rows) const {
   const Plan& p = *plan_;
   if (rows <= 0 || rows > p.shape.max_rows) {
     throw std::invalid_argument(describe(p.shape) + ": called with " + std::to_string(rows) + " rows");
-  }
-  if ((reinterpret_cast<uintptr_t>(weight) | reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(y)) % 16 != 0) {
-    throw std::invalid_argument(describe(p.shape) + ": weight, x and y must be 16-byte aligned");
   }
   const bool exact = !p.shape.row_counts.empty();
   const int wanted = exact ? rows : lt_gemm_padded_rows(rows);
@@ -220,7 +219,19 @@ void LtGemm::run(const void* weight, const void* x, float* y, int rows, cudaStre
     throw std::invalid_argument(describe(p.shape) + ": called with " + std::to_string(rows) +
                                 " rows, not one of the row counts it was planned for");
   }
-  const Plan::Bucket& b = p.buckets[i];
+  return static_cast<int>(i);
+}
+
+void LtGemm::run(const void* weight, const void* x, float* y, int rows, cudaStream_t stream) const {
+  run_bucket(bucket_of(rows), weight, x, y, stream);
+}
+
+void LtGemm::run_bucket(int bucket, const void* weight, const void* x, float* y, cudaStream_t stream) const {
+  const Plan& p = *plan_;
+  if ((reinterpret_cast<uintptr_t>(weight) | reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(y)) % 16 != 0) {
+    throw std::invalid_argument(describe(p.shape) + ": weight, x and y must be 16-byte aligned");
+  }
+  const Plan::Bucket& b = p.buckets[bucket];
   const float alpha = 1.f, beta = p.shape.accumulate ? 1.f : 0.f;
   const cublasStatus_t status = lt_api().cublasLtMatmul(p.handle, p.desc, &alpha, weight, p.w, x, b.x, &beta, y, b.y, y,
                                                         b.y, &b.algo, p.workspace, p.workspace_bytes, stream);

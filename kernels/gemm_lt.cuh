@@ -72,6 +72,11 @@ class LtGemm {
   // weight, x and y 16-byte aligned; 1 <= rows <= shape.max_rows (one of shape.row_counts
   // where it lists them).
   void run(const void* weight, const void* x, float* y, int rows, cudaStream_t stream) const;
+  // The same split for callers that replay one row count (the decode step's planned
+  // launches): bucket_of(rows) checks `rows` as run() does and finds its plan once, at
+  // planning; run_bucket then only checks the pointers and calls cuBLASLt.
+  int bucket_of(int rows) const;
+  void run_bucket(int bucket, const void* weight, const void* x, float* y, cudaStream_t stream) const;
   // One call at every row bucket, so that each bucket's kernel is loaded before the first
   // real call needs it (CUDA loads a kernel's module at its first launch, several
   // milliseconds for a cuBLASLt kernel). x and y as for run() at max_rows.

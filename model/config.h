@@ -57,6 +57,10 @@ struct ModelConfig {
   int in_proj_rows() const {
     return 2 * d_inner() + 2 * bc_width() + 3 * n_heads() + n_angles();
   }
+  // in_proj's rows padded to a multiple of 64, as the CUDA engine stores the matrix (zero
+  // rows) and lays out its output: cuBLASLt's heuristic picks a slower kernel for a row
+  // count that is not one, and a second product for the rest cost a launch and its gap.
+  int padded_in_proj_rows() const { return (in_proj_rows() + 63) / 64 * 64; }
   // Offsets of the in_proj output split, in this order: z, x, B, C, dd_dt, dd_A, trap, ang.
   struct InProjLayout { int z, x, B, C, dd_dt, dd_A, trap, ang, total; };
   InProjLayout in_proj_layout() const;

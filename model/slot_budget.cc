@@ -43,10 +43,8 @@ int64_t slot_state_bytes(const ModelConfig& config, StateDType state_dtype) {
 }
 
 int64_t slot_step_buffer_bytes(const ModelConfig& config) {
-  // in_proj's output rows are padded to a multiple of 64 (the GEMM's rows, padded_in_proj_rows);
-  // the step's GEMMs (cuda.projection_gemm_min_batch) add the normed rows and fc1's output.
-  const int64_t in_proj = (int64_t{config.in_proj_rows()} + 63) / 64 * 64;
-  const int64_t floats = int64_t{config.d_model} + in_proj + config.d_inner() + config.mlp_width() +
+  // The step's GEMMs (cuda.projection_gemm_min_batch) add the normed rows and fc1's output.
+  const int64_t floats = int64_t{config.d_model} + config.padded_in_proj_rows() + config.d_inner() + config.mlp_width() +
                          config.padded_vocab() + config.d_model + 2 * int64_t{config.mlp_width()};
   // + the sampling parameters, counters, last tokens and step tables (under 128 bytes).
   return 4 * floats + 128;

@@ -132,8 +132,7 @@ CudaEngine::CudaEngine(const ModelWeights& weights, const EngineOptions& options
   slot_state_floats_ = layout_.floats * c.n_layer;
 
   // The gemvs take any shape; the GEMMs only rows of whole 16-byte pieces.
-  in_proj_stride_ = padded_in_proj_rows(c.in_proj_rows());
-  if (!step_gemm_refusal(c, in_proj_stride_).empty()) policy_.projection_gemm_min_batch = 0;
+  if (!step_gemm_refusal(c).empty()) policy_.projection_gemm_min_batch = 0;
   bucket_sizes_ = decode_bucket_sizes(max_slots_, policy_.buckets_per_octave);
   max_bucket_ = max_slots_;
   bucket_of_batch_.assign(max_slots_ + 1, 0);
@@ -143,7 +142,7 @@ CudaEngine::CudaEngine(const ModelWeights& weights, const EngineOptions& options
   }
   masks_ = DeviceMaskTable(SamplingMaskTable(options.sampling_masks, c.vocab_size));
   const std::vector<std::vector<int>> gemm_rows = step_gemm_chain_rows(policy_, layout_.ssm_bf16, bucket_sizes_);
-  if (!gemm_rows.empty()) step_gemms_ = std::make_unique<StepGemms>(c, options.weight_dtype, in_proj_stride_, gemm_rows);
+  if (!gemm_rows.empty()) step_gemms_ = std::make_unique<StepGemms>(c, options.weight_dtype, gemm_rows);
   allocate_buffers();
   params_.assign(max_slots_ + 1, kernels::SlotSampling{});
   has_sample_.assign(max_slots_, 0);
@@ -179,7 +178,7 @@ void CudaEngine::allocate_buffers() {
   const size_t B = max_bucket_;
   state_ = DeviceBuffer(sizeof(float) * slot_state_floats_ * n_all, "recurrent state");
   res_ = DeviceBuffer(sizeof(float) * B * c.d_model, "residual stream");
-  w_ = DeviceBuffer(sizeof(float) * B * in_proj_stride_, "in_proj output");
+  w_ = DeviceBuffer(sizeof(float) * B * c.padded_in_proj_rows(), "in_proj output");
   o_ = DeviceBuffer(sizeof(float) * B * c.d_inner(), "mixer output");
   if (c.has_mlp()) act_ = DeviceBuffer(sizeof(float) * B * c.mlp_width(), "mlp activation");
   if (step_gemms_ != nullptr) {
@@ -219,7 +218,6 @@ void CudaEngine::allocate_buffers() {
   buffers_.slot_state_floats = slot_state_floats_;
   buffers_.residual = res_.as<float>();
   buffers_.in_proj_out = w_.as<float>();
-  buffers_.in_proj_stride = in_proj_stride_;
   buffers_.gemm_u = gemm_u_.get();
   buffers_.gemm_fc1_out = gemm_fc1_out_.as<float>();
   buffers_.mixer_out = o_.as<float>();

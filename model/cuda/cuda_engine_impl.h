@@ -136,7 +136,6 @@ class CudaEngine final : public Engine, public CudaProfiling {
 
   DeviceBuffer state_;       // [max_slots + 1][n_layer][layout_.floats]
   DeviceBuffer res_, w_, o_, act_, logits_;
-  int in_proj_stride_ = 0;  // w_'s row stride (padded_in_proj_rows: the in_proj GEMM's rows)
   // The buckets' projections as GEMMs (cuda.projection_gemm_min_batch; null where none
   // uses them), and the rows only they need.
   std::unique_ptr<StepGemms> step_gemms_;

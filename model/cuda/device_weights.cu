@@ -84,7 +84,7 @@ DeviceWeights upload_weights(const ModelWeights& weights, WeightDType type) {
     {
       const TensorView& t = weights.layer(i, "mixer.in_proj.weight");
       matrix_elems += t.numel();
-      o.in_proj = pk.add_matrix_rows(t, padded_in_proj_rows(cfg.in_proj_rows()), cfg.d_model);
+      o.in_proj = pk.add_matrix_rows(t, cfg.padded_in_proj_rows(), cfg.d_model);
     }
     o.out_proj = mat("mixer.out_proj.weight");
     o.norm = vec("norm.weight");

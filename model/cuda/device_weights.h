@@ -16,13 +16,8 @@ class ModelWeights;
 
 namespace m3::cuda {
 
-// in_proj is stored with zero rows up to a multiple of 64, so that the chunked prefill
-// reads it in one cuBLASLt product (the library's heuristic picks a slower kernel for a
-// row count that is not one, and a second product for the rest cost a launch and its gap).
-inline int padded_in_proj_rows(int rows) { return (rows + 63) / 64 * 64; }
-
 struct DeviceLayer {
-  const void* in_proj = nullptr;   // [padded_in_proj_rows(in_proj_rows), d_model], the padding zeros
+  const void* in_proj = nullptr;   // [padded_in_proj_rows(), d_model], the padding zeros
   const void* out_proj = nullptr;  // [d_model, d_inner]
   const void* fc1 = nullptr;       // [2F, d_model] or null
   const void* fc2 = nullptr;       // [d_model, F] or null

@@ -60,7 +60,7 @@ PrefillRunner::PrefillRunner(const ModelConfig& config, const DeviceWeights& wei
                                  "prefill scan workspace");
   kernels::PrefillRowSizes sizes;
   sizes.d_model = c.d_model;
-  sizes.in_proj_rows = padded_in_proj_rows(c.in_proj_rows());  // the padding's columns of w stay zero
+  sizes.in_proj_rows = c.padded_in_proj_rows();  // the padding's columns of w stay zero
   sizes.d_inner = c.d_inner();
   sizes.mlp_width = c.has_mlp() ? c.mlp_width() : 0;
   sizes.act = act_;
@@ -90,7 +90,7 @@ PrefillRunner::PrefillRunner(const ModelConfig& config, const DeviceWeights& wei
     s.accumulate = accumulate;
     return std::make_unique<kernels::LtGemm>(*lt_, s);
   };
-  in_proj_ = gemm(padded_in_proj_rows(c.in_proj_rows()), c.d_model, rows_.u_stride, rows_.w_stride, false);
+  in_proj_ = gemm(c.padded_in_proj_rows(), c.d_model, rows_.u_stride, rows_.w_stride, false);
   out_proj_ = gemm(c.d_model, c.d_inner(), rows_.o_stride, rows_.res_stride, true);
   if (c.has_mlp()) {
     fc1_ = gemm(2 * c.mlp_width(), c.d_model, rows_.u_stride, rows_.fc1_stride, false);

@@ -12,73 +12,57 @@ namespace {
 // the inner dimension needs more than this.
 constexpr size_t kChainWorkspaceBytes = 8u << 20;
 
-struct Projection {
-  int out_features, in_features, x_stride, y_stride;
-  bool accumulate;
-};
+enum Projection { kInProj, kOutProj, kLmHead, kFc1, kFc2 };
+constexpr const char* kNames[] = {"in_proj", "out_proj", "lm_head", "fc1", "fc2"};
 
-// in_proj, out_proj, lm_head, fc1, fc2: y rows as the step's buffers lay them out.
-std::vector<Projection> projections(const ModelConfig& c, int in_proj_stride) {
-  std::vector<Projection> p = {
-      {in_proj_stride, c.d_model, c.d_model, in_proj_stride, false},
-      {c.d_model, c.d_inner(), c.d_inner(), c.d_model, true},
-      {c.padded_vocab(), c.d_model, c.d_model, c.padded_vocab(), false},
+// in_proj, out_proj, lm_head (and fc1, fc2 with an MLP), their y rows as the step's buffers
+// lay them out, each planned for `rows`.
+std::vector<kernels::LtGemmShape> shapes(const ModelConfig& c, WeightDType type, const std::vector<int>& rows) {
+  const int in_proj = c.padded_in_proj_rows(), F = c.mlp_width();
+  const int max_rows = rows.empty() ? 1 : *std::max_element(rows.begin(), rows.end());
+  auto shape = [&](int out_features, int in_features, bool accumulate) {
+    // Rows are packed: x rows in_features wide, y rows out_features wide.
+    return kernels::LtGemmShape{out_features, in_features, max_rows, type, in_features, out_features, accumulate, rows};
   };
+  std::vector<kernels::LtGemmShape> s = {shape(in_proj, c.d_model, false), shape(c.d_model, c.d_inner(), true),
+                                         shape(c.padded_vocab(), c.d_model, false)};
   if (c.has_mlp()) {
-    p.push_back({2 * c.mlp_width(), c.d_model, c.d_model, 2 * c.mlp_width(), false});
-    p.push_back({c.d_model, c.mlp_width(), c.mlp_width(), c.d_model, true});
+    s.push_back(shape(2 * F, c.d_model, false));
+    s.push_back(shape(c.d_model, F, true));
   }
-  return p;
-}
-
-kernels::LtGemmShape shape_of(const Projection& p, WeightDType type, const std::vector<int>& rows) {
-  kernels::LtGemmShape s;
-  s.out_features = p.out_features;
-  s.in_features = p.in_features;
-  s.x_stride = p.x_stride;
-  s.y_stride = p.y_stride;
-  s.accumulate = p.accumulate;
-  s.type = type;
-  s.row_counts = rows;
-  s.max_rows = 1;
-  for (const int r : rows) s.max_rows = std::max(s.max_rows, r);
   return s;
 }
 
 }  // namespace
 
-std::string step_gemm_refusal(const ModelConfig& config, int in_proj_stride) {
-  static const char* kNames[] = {"in_proj", "out_proj", "lm_head", "fc1", "fc2"};
-  const std::vector<Projection> p = projections(config, in_proj_stride);
-  for (size_t i = 0; i < p.size(); ++i) {
-    const std::string why = kernels::lt_gemm_shape_refusal(shape_of(p[i], WeightDType::BF16, {1}));
+std::string step_gemm_refusal(const ModelConfig& config) {
+  const std::vector<kernels::LtGemmShape> s = shapes(config, WeightDType::BF16, {1});
+  for (size_t i = 0; i < s.size(); ++i) {
+    const std::string why = kernels::lt_gemm_shape_refusal(s[i]);
     if (!why.empty()) {
-      return std::string(kNames[i]) + " (" + std::to_string(p[i].out_features) + " x " +
-             std::to_string(p[i].in_features) + "): " + why;
+      return std::string(kNames[i]) + " (" + std::to_string(s[i].out_features) + " x " +
+             std::to_string(s[i].in_features) + "): " + why;
     }
   }
   return "";
 }
 
-StepGemms::StepGemms(const ModelConfig& config, WeightDType type, int in_proj_stride,
-                     const std::vector<std::vector<int>>& chain_rows) {
-  const std::string refusal = step_gemm_refusal(config, in_proj_stride);
-  const std::vector<Projection> p = projections(config, in_proj_stride);
+StepGemms::StepGemms(const ModelConfig& config, WeightDType type, const std::vector<std::vector<int>>& chain_rows) {
+  const std::string refusal = step_gemm_refusal(config);
   chains_.resize(chain_rows.size());
   for (size_t k = 0; k < chain_rows.size(); ++k) {
     if (chain_rows[k].empty()) continue;
     if (!refusal.empty()) throw std::invalid_argument("decode GEMMs: " + refusal);
     ChainGemms& g = chains_[k];
     g.context = std::make_unique<kernels::LtContext>(kChainWorkspaceBytes);
-    auto make = [&](const Projection& q) {
-      return std::make_unique<kernels::LtGemm>(*g.context, shape_of(q, type, chain_rows[k]));
-    };
-    g.in_proj = make(p[0]);
-    g.out_proj = make(p[1]);
-    g.lm_head = make(p[2]);
+    const std::vector<kernels::LtGemmShape> s = shapes(config, type, chain_rows[k]);
+    auto make = [&](Projection p) { return std::make_unique<kernels::LtGemm>(*g.context, s[p]); };
+    g.in_proj = make(kInProj);
+    g.out_proj = make(kOutProj);
+    g.lm_head = make(kLmHead);
     if (config.has_mlp()) {
-      g.fc1 = make(p[3]);
-      g.fc2 = make(p[4]);
+      g.fc1 = make(kFc1);
+      g.fc2 = make(kFc2);
     }
   }
 }

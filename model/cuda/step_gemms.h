@@ -32,9 +32,8 @@ struct ChainGemms {
 class StepGemms {
  public:
   // chain_rows[k]: every row count chain k takes in a bucket that uses GEMMs (empty
-  // lists: none); in_proj_stride: the in_proj output's row stride (padded_in_proj_rows).
-  StepGemms(const ModelConfig& config, WeightDType type, int in_proj_stride,
-            const std::vector<std::vector<int>>& chain_rows);
+  // lists: none). in_proj's output rows are ModelConfig::padded_in_proj_rows wide.
+  StepGemms(const ModelConfig& config, WeightDType type, const std::vector<std::vector<int>>& chain_rows);
   // Chain k's plans, or null where it takes no GEMM rows.
   const ChainGemms* chain(int k) const;
   // One call of every plan at every row count on `stream` (then synchronised), so that
@@ -53,6 +52,6 @@ class StepGemms {
 
 // "" when the model's projections can run as these GEMMs, else why not (a row width that
 // is not a multiple of 8 elements: cuBLASLt's 16-byte rows).
-std::string step_gemm_refusal(const ModelConfig& config, int in_proj_stride);
+std::string step_gemm_refusal(const ModelConfig& config);
 
 }  // namespace m3::cuda

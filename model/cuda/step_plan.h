@@ -38,8 +38,7 @@ struct StepBuffers {
   float* state = nullptr;  // [slots + 1][n_layer][layout.floats]
   int64_t slot_state_floats = 0;
   float* residual = nullptr;  // [max_bucket, d_model]
-  float* in_proj_out = nullptr;  // [max_bucket, in_proj_stride]
-  int in_proj_stride = 0;        // padded_in_proj_rows(in_proj_rows): the in_proj GEMM's rows
+  float* in_proj_out = nullptr;  // [max_bucket, padded_in_proj_rows]: the in_proj GEMM's rows
   // [max_bucket, d_inner]: fp32, or the weights' type where out_proj is a GEMM.
   float* mixer_out = nullptr;
   // [max_bucket, mlp_width] or null: fp32, or the weights' type where fc2 is a GEMM.

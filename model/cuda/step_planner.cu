@@ -77,7 +77,7 @@ StepPlan StepPlanner::plan(int batch, const StepVariant& variant, int table) con
     chain.parities = slots + 2 * B + row0;
     chain.sampled = buffers_.sampled + table * B + row0;
     chain.residual = buffers_.residual + row0 * c.d_model;
-    chain.in_proj_out = buffers_.in_proj_out + row0 * buffers_.in_proj_stride;
+    chain.in_proj_out = buffers_.in_proj_out + row0 * c.padded_in_proj_rows();
     chain.mixer_out = buffers_.mixer_out + row0 * c.d_inner();
     chain.mlp_act = c.has_mlp() ? buffers_.mlp_act + row0 * c.mlp_width() : nullptr;
     chain.logits = buffers_.logits + row0 * c.padded_vocab();
@@ -148,10 +148,10 @@ kernels::KernelLaunch StepPlanner::norm_rows(const Chain& chain, const float* x,
 
 kernels::KernelLaunch StepPlanner::gemm_call(const Chain& chain, const kernels::LtGemm& gemm, const void* weight,
                                              const void* x, float* y, const char* name) const {
-  const int rows = chain.rows;
+  const int rows = chain.rows, bucket = gemm.bucket_of(rows);
   const kernels::LtGemm* g = &gemm;
   const kernels::LtGemmShape& s = gemm.shape();
-  return kernels::KernelLaunch::library(name, [=](cudaStream_t stream) { g->run(weight, x, y, rows, stream); })
+  return kernels::KernelLaunch::library(name, [=](cudaStream_t stream) { g->run_bucket(bucket, weight, x, y, stream); })
       .described("cuBLASLt GEMM " + std::to_string(rows) + " x " + std::to_string(s.in_features) + " -> " +
                  std::to_string(s.out_features) + (s.accumulate ? ", accumulating" : ""));
 }
@@ -180,7 +180,7 @@ void StepPlanner::plan_mixer(int layer, const Chain& chain, const kernels::GemvG
   } else {
     kernels::GemvArgs in_proj = projection(chain, lw.in_proj, c.in_proj_rows(), c.d_model, chain.residual, lw.norm,
                                            chain.in_proj_out, kernels::GemvEpilogue::Store);
-    in_proj.y_stride = buffers_.in_proj_stride;
+    in_proj.y_stride = c.padded_in_proj_rows();
     in_proj.gather = gather;
     out.push_back(kernels::plan_gemv(in_proj).named("in_proj"));
   }
@@ -195,7 +195,7 @@ void StepPlanner::plan_mixer(int layer, const Chain& chain, const kernels::GemvG
   m.a_floor = static_cast<float>(c.ssm.A_floor);
   m.norm_eps = ModelConfig::kNormEps;
   m.w = chain.in_proj_out;
-  m.w_stride = buffers_.in_proj_stride;
+  m.w_stride = c.padded_in_proj_rows();
   m.off_z = L.z; m.off_x = L.x; m.off_B = L.B; m.off_C = L.C;
   m.off_dt = L.dd_dt; m.off_A = L.dd_A; m.off_trap = L.trap; m.off_ang = L.ang;
   m.dt_bias = lw.dt_bias; m.D = lw.D; m.B_bias = lw.B_bias; m.C_bias = lw.C_bias;
