@@ -162,6 +162,22 @@ TEST(PrefillRowBuffers, DisjointAlignedAndSizedForThePaddedRows) {
   }
 }
 
+// The first `rows` rows of a GEMM of shape `s` (`got`) against the twin in double: y (+)=
+// x W^T over Y0 (accumulating) or zeros, W [out_features][in_features], rows at their strides.
+double gemm_rel_err(const std::vector<float>& got, const std::vector<float>& W, const std::vector<float>& X,
+                    const std::vector<float>& Y0, const kernels::LtGemmShape& s, int rows) {
+  std::vector<float> g;
+  std::vector<double> e;
+  for (int r = 0; r < rows; ++r)
+    for (int j = 0; j < s.out_features; ++j) {
+      double acc = s.accumulate ? Y0[r * s.y_stride + j] : 0.0;
+      for (int k = 0; k < s.in_features; ++k) acc += static_cast<double>(X[r * s.x_stride + k]) * W[j * s.in_features + k];
+      e.push_back(acc);
+      g.push_back(got[r * s.y_stride + j]);
+    }
+  return testing::max_rel_err(g, e);
+}
+
 // y (+)= x W^T at several row counts (inside one bucket, at a bucket's edge, past 128 and
 // 1024), both weight types, storing and accumulating.
 TEST(PrefillGemm, MatchesTheTwinAtEveryRowBucket) {
@@ -189,16 +205,7 @@ TEST(PrefillGemm, MatchesTheTwinAtEveryRowBucket) {
                  t == WeightDType::F32 ? static_cast<const void*>(x32.get()) : x16.get(), y.get(), rows, nullptr);
         M3_CUDA_CHECK(cudaDeviceSynchronize());
         const std::vector<float> got = y.download();
-        std::vector<float> g;
-        std::vector<double> e;
-        for (int r = 0; r < rows; ++r)
-          for (int j = 0; j < out_f; ++j) {
-            double acc = accumulate ? Y0[r * y_stride + j] : 0.0;
-            for (int k = 0; k < in_f; ++k) acc += static_cast<double>(X[r * x_stride + k]) * W[j * in_f + k];
-            e.push_back(acc);
-            g.push_back(got[r * y_stride + j]);
-          }
-        EXPECT_LE(testing::max_rel_err(g, e), 1e-5);
+        EXPECT_LE(gemm_rel_err(got, W, X, Y0, shape, rows), 1e-5);
         // Columns past out_features in each row are not the GEMM's.
         for (int r = 0; r < rows; ++r)
           for (int j = out_f; j < y_stride && accumulate; ++j) ASSERT_EQ(got[r * y_stride + j], Y0[r * y_stride + j]);
@@ -234,16 +241,7 @@ TEST(PrefillGemm, ListedRowCountsTouchOnlyTheirRows) {
     gemm.run(w16.get(), x16.get(), y.get(), rows, nullptr);
     M3_CUDA_CHECK(cudaDeviceSynchronize());
     const std::vector<float> got = y.download();
-    std::vector<float> g;
-    std::vector<double> e;
-    for (int r = 0; r < rows; ++r)
-      for (int j = 0; j < out_f; ++j) {
-        double acc = Y0[r * y_stride + j];
-        for (int k = 0; k < in_f; ++k) acc += static_cast<double>(X[r * x_stride + k]) * W[j * in_f + k];
-        e.push_back(acc);
-        g.push_back(got[r * y_stride + j]);
-      }
-    EXPECT_LE(testing::max_rel_err(g, e), 1e-5);
+    EXPECT_LE(gemm_rel_err(got, W, X, Y0, shape, rows), 1e-5);
     for (size_t i = static_cast<size_t>(rows) * y_stride; i < got.size(); ++i) ASSERT_EQ(got[i], Y0[i]) << i;
   }
   EXPECT_NE(test::error_of<std::invalid_argument>([&] { gemm.run(w16.get(), x16.get(), nullptr, 41, nullptr); })
