@@ -17,6 +17,7 @@
 #include "model/cuda/cuda_engine.h"
 #include "model/cuda/device_buffer.h"
 #include "model/cuda/profiling.h"
+#include "model/cuda/step_gemms.h"
 #include "model/weights.h"
 #include "test_models.h"
 
@@ -533,6 +534,19 @@ TEST_F(CudaEngineTest, ProjectionGemmsFromTheirBatchDecodeAsTheCpuEngine) {
       decode_against_cpu(*gpu, *ref, V(), tol, many);
     }
   }
+}
+
+// A model whose projection rows are not whole 16-byte pieces cannot take the step's GEMMs:
+// the refusal names the projection, its shape and the rule (the engine then keeps the
+// gemvs). Host code only: runs without a GPU.
+TEST(StepGemmRefusal, NamesTheProjectionItsShapeAndTheRule) {
+  ModelConfig c = testing::small_config();
+  EXPECT_EQ(cuda::step_gemm_refusal(c), "");
+  c.d_model = 68;  // in_proj's inputs: not a multiple of 8
+  c.ssm.headdim = 8;  // (17 heads of d_inner 136)
+  EXPECT_EQ(cuda::step_gemm_refusal(c),
+            "in_proj (" + std::to_string(c.padded_in_proj_rows()) +
+                " x 68): in_features and x_stride must be multiples of 8, y_stride of 4 (16-byte rows)");
 }
 
 // EngineOptions::deterministic keeps atomics out of the step (out_proj is not fused at
