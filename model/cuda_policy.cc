@@ -121,7 +121,8 @@ Table make_table() {
   Table t;
   t.add_bool("pdl", M3_ACCESS(bool, pdl), "programmatic dependent launch between the step's kernels and the prefill scan's");
   t.add_int("chains", M3_ACCESS(int, chains), "planned",
-            "chains a bucket's step splits into, side by side: planned (two from batch 32) or 1-4 everywhere");
+            "chains a bucket's step splits into, side by side: planned (two from batch 32 on the gemvs; one on the "
+            "GEMMs, two there with bf16 state above batch 1024) or 1-4 everywhere");
   t.add_bool("next_step_prefetch", M3_ACCESS(bool, next_step_prefetch),
              "the sampling kernel pulls the next step's first weights into L2");
   t.add_int("recurrence_tensor_core_min_batch", M3_ACCESS(int, recurrence_tensor_core_min_batch), "never",
@@ -130,7 +131,7 @@ Table make_table() {
             "tensor-core recurrence: out_proj fused into it up to this batch where the step variant asks");
   t.add_planned_int("projection_gemm_min_batch", M3_ACCESS(int, projection_gemm_min_batch), "never",
                     "the step's projections as cuBLASLt GEMMs (RMSNorm in its own kernel) from this batch: planned "
-                    "(768 with fp32 state, 128 with bf16 state) | N | never (the gemvs at every batch)");
+                    "(128) | N | never (the gemvs at every batch)");
   t.add_int("buckets_per_octave", M3_ACCESS(int, buckets_per_octave), nullptr,
             "decode graphs between one power of two and the next from batch 64 (1, 2, 4 or 8): a batch runs "
             "at the smallest that holds it");

@@ -18,6 +18,7 @@
 #include "model/cuda/profiling.h"
 #include "model/cuda/step_gemms.h"
 #include "model/cuda_policy.h"
+#include "model/step_shape.h"
 
 namespace m3::cuda {
 
@@ -62,23 +63,6 @@ struct StepBuffers {
   size_t table_ints() const { return 3 * static_cast<size_t>(max_bucket); }
 };
 
-// Chains a bucket of `batch` rows splits into: each serves its share of the rows with its
-// own kernels, and the chains run side by side, so one chain's memory-bound recurrence
-// overlaps another's latency-bound projections; below batch 32 the chains only compete.
-int step_chains(const CudaPolicy& policy, int batch);
-// Rows of chain k of `chains` in a bucket of `batch` rows.
-inline int chain_row0(int batch, int chains, int k) { return k * batch / chains; }
-// The batch from which the step's projections run as GEMMs (cuda.projection_gemm_min_batch;
-// 0: never). Planned: from 768 with fp32 state, where the gemvs hide beside the other
-// chain's recurrence and the GEMMs (whose launches give up programmatic dependent launch)
-// only pay once the rows are many; from 128 with bf16 state, whose cheaper recurrence
-// leaves the projections more of the step.
-int projection_gemm_min_batch(const CudaPolicy& policy, bool state_bf16);
-bool step_uses_gemms(const CudaPolicy& policy, bool state_bf16, int batch);
-// For StepGemms: chain k's row count in every bucket of `buckets` that uses GEMMs.
-std::vector<std::vector<int>> step_gemm_chain_rows(const CudaPolicy& policy, bool state_bf16,
-                                                   const std::vector<int>& buckets);
-
 class StepPlanner {
  public:
   // Keeps references to all of them: they outlive the planner (the engine's members).
@@ -91,7 +75,7 @@ class StepPlanner {
   // place's part of the sampled ids.
   StepPlan plan(int batch, const StepVariant& variant, int table) const;
 
-  int chains_for_batch(int batch) const { return step_chains(policy_, batch); }
+  int chains_for_batch(int batch) const { return step_chains(policy_, layout_.ssm_bf16, batch); }
 
  private:
   // One chain's share of the step: its rows and where they live.

@@ -24,35 +24,6 @@ StepPlanReport StepPlan::report() const {
   return r;
 }
 
-int step_chains(const CudaPolicy& policy, int batch) {
-  const int chains = policy.chains > 0 ? policy.chains : batch >= 32 ? 2 : 1;
-  return std::max(1, std::min(chains, batch));
-}
-
-int projection_gemm_min_batch(const CudaPolicy& policy, bool state_bf16) {
-  if (policy.projection_gemm_min_batch >= 0) return policy.projection_gemm_min_batch;
-  return state_bf16 ? 128 : 768;
-}
-
-bool step_uses_gemms(const CudaPolicy& policy, bool state_bf16, int batch) {
-  const int from = projection_gemm_min_batch(policy, state_bf16);
-  return from > 0 && batch >= from;
-}
-
-std::vector<std::vector<int>> step_gemm_chain_rows(const CudaPolicy& policy, bool state_bf16,
-                                                   const std::vector<int>& buckets) {
-  std::vector<std::vector<int>> rows;
-  for (const int batch : buckets) {
-    if (!step_uses_gemms(policy, state_bf16, batch)) continue;
-    const int chains = step_chains(policy, batch);
-    if (static_cast<int>(rows.size()) < chains) rows.resize(chains);
-    for (int k = 0; k < chains; ++k) {
-      rows[k].push_back(chain_row0(batch, chains, k + 1) - chain_row0(batch, chains, k));
-    }
-  }
-  return rows;
-}
-
 StepPlanner::StepPlanner(const ModelConfig& config, const DeviceWeights& weights, const StepBuffers& buffers,
                          const kernels::MimoStateLayout& layout, const CudaPolicy& policy, const StepGemms* gemms)
     : config_(config), weights_(weights), buffers_(buffers), layout_(layout), policy_(policy), gemms_(gemms) {}
@@ -65,7 +36,7 @@ StepPlan StepPlanner::plan(int batch, const StepVariant& variant, int table) con
   g.batch = batch;
   Outcome outcome;
   const int chains = chains_for_batch(batch);
-  const bool gemms = step_uses_gemms(policy_, layout_.ssm_bf16, batch);
+  const bool gemms = step_uses_gemms(policy_, batch);
   for (int k = 0; k < chains; ++k) {
     Chain chain;
     chain.row0 = chain_row0(batch, chains, k);

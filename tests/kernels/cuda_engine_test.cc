@@ -9,6 +9,7 @@
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "gpu_test_util.h"
@@ -485,10 +486,11 @@ TEST_F(CudaEngineTest, StreamingRecurrenceFromItsBatchDecodesAsTheCpuEngine) {
 }
 
 // cuda.projection_gemm_min_batch puts the projections of every bucket from that batch on
-// cuBLASLt GEMMs (RMSNorm before in_proj, fc1 and lm_head in kernels of their own), both
-// chains of a split bucket with their own plans; below it the gemvs stay. Each way the
-// engine decodes as the CPU engine does, with bf16 and fp32 weights, with and without
-// the MLP, alone and side by side with other slots.
+// cuBLASLt GEMMs (RMSNorm before in_proj, fc1 and lm_head in kernels of their own); below
+// it the gemvs stay. Planned, a bucket on GEMMs is one chain; with two chains forced, each
+// chain has GEMM plans of its own for its rows. Each way the engine decodes as the CPU
+// engine does, with bf16 and fp32 weights, with and without the MLP, alone and side by
+// side with other slots.
 TEST_F(CudaEngineTest, ProjectionGemmsFromTheirBatchDecodeAsTheCpuEngine) {
   M3_REQUIRE_CUDA_DEVICE();
   for (const bool mlp : {false, true}) {
@@ -500,10 +502,13 @@ TEST_F(CudaEngineTest, ProjectionGemmsFromTheirBatchDecodeAsTheCpuEngine) {
       c.tie_embeddings = false;
     }
     load(c);
-    for (const WeightDType dtype : {WeightDType::BF16, WeightDType::F32}) {
-      SCOPED_TRACE(std::string(mlp ? "mlp, " : "") + (dtype == WeightDType::BF16 ? "bf16" : "fp32"));
+    for (const auto& [dtype, forced_chains] : {std::pair{WeightDType::BF16, 0}, std::pair{WeightDType::F32, 0},
+                                               std::pair{WeightDType::BF16, 2}}) {
+      SCOPED_TRACE(std::string(mlp ? "mlp, " : "") + (dtype == WeightDType::BF16 ? "bf16" : "fp32") +
+                   (forced_chains ? ", two chains" : ""));
       CudaPolicy policy;
       policy.projection_gemm_min_batch = 8;
+      policy.chains = forced_chains;
       auto gpu = cuda(40, dtype, true, policy);
       auto* impl = cuda::cuda_profiling(*gpu);
       ASSERT_NE(impl, nullptr);
@@ -520,6 +525,7 @@ TEST_F(CudaEngineTest, ProjectionGemmsFromTheirBatchDecodeAsTheCpuEngine) {
           }
         }
         const int chains = static_cast<int>(plan.chains.size());
+        if (batch == 40) EXPECT_EQ(chains, forced_chains ? forced_chains : 1) << cuda::to_string(plan);
         const int per_layer = mlp ? 4 : 2;  // in_proj, out_proj (+ fc1, fc2)
         EXPECT_EQ(gemms, batch >= 8 ? chains * (c.n_layer * per_layer + 1) : 0) << cuda::to_string(plan);
         EXPECT_EQ(norms, batch >= 8 ? chains * (c.n_layer * (mlp ? 2 : 1) + 1) : 0) << cuda::to_string(plan);
