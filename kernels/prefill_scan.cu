@@ -256,6 +256,39 @@ __global__ void __launch_bounds__(kAngleThreads) prefill_angles_kernel(const Sca
   }
 }
 
+// The same angles for calls of short runs only: a thread per (run, head, angle) adds the
+// increments in token order from the slot's angle, as the decode step does.
+constexpr int kSerialAngleThreads = 256;
+__global__ void __launch_bounds__(kSerialAngleThreads) prefill_angles_serial_kernel(const ScanParams prm) {
+  const PrefillScanArgs& a = prm.a;
+  const int H = a.dims.heads, S = a.dims.n_angles;
+  const int64_t item = (int64_t)blockIdx.x * kSerialAngleThreads + threadIdx.x;
+  const bool mine = item < (int64_t)a.runs.n_runs * H * S;
+  const int s = mine ? static_cast<int>(item % S) : 0;
+  const int h = mine ? static_cast<int>(item / S % H) : 0;
+  const int run = mine ? static_cast<int>(item / S / H) : 0;
+  float* angle = nullptr;
+  float theta = 0.f;
+  int parity = 0;
+  if (mine) {
+    parity = a.runs.parity[run] & 1;
+    angle = a.state + a.runs.slot[run] * a.slot_stride + a.layer_offset + prm.layout.angle + h * S + s;
+    theta = angle[(int64_t)parity * H * S];
+  }
+  wait_for_previous_kernel();  // dt is the token-params kernel's
+  allow_next_kernel();
+  if (!mine) return;
+  const int t0 = a.runs.token_begin[run], t1 = a.runs.token_begin[run + 1];
+#pragma unroll 4
+  for (int t = t0; t < t1; ++t) {
+    theta += angle_increment(a, t, h, s);
+    float sn, cs;
+    sincosf(theta, &sn, &cs);
+    a.ws.rot[((int64_t)t * H + h) * S + s] = make_float2(cs, sn);
+  }
+  angle[(int64_t)((parity + (t1 - t0)) & 1) * H * S] = theta;
+}
+
 // ---- 3. chunk state -----------------------------------------------------------------------
 // dS[p][n] = sum_j XvW[j][p] K[j][n] with XvW[(t,r)][p] = exp(L_e - L_t) u_t x_t[p] mimo_x[r][p].
 template <typename Op>
@@ -734,7 +767,12 @@ void launch_prefill_scan(const PrefillScanArgs& a, cudaStream_t stream) {
     prefill_token_params_kernel<false><<<a.runs.n_tokens, kParamThreads, 0, stream>>>(prm);
   }
   M3_CUDA_CHECK(cudaGetLastError());
-  if (d.n_angles > 0) {
+  if (d.n_angles > 0 && a.runs.max_run_tokens <= a.plan.serial_angles_max_tokens) {
+    const int64_t items = (int64_t)a.runs.n_runs * d.heads * d.n_angles;
+    launch_scan_kernel(prefill_angles_serial_kernel,
+                       dim3(static_cast<unsigned>((items + kSerialAngleThreads - 1) / kSerialAngleThreads)),
+                       kSerialAngleThreads, 0, stream, prm.a.pdl, prm);
+  } else if (d.n_angles > 0) {
     const int groups = (d.n_angles + kAngleGroup - 1) / kAngleGroup;
     launch_scan_kernel(prefill_angles_kernel, dim3(d.heads, a.runs.n_runs, groups), kAngleThreads, kAngleCacheBytes,
                        stream, prm.a.pdl, prm);

@@ -101,6 +101,7 @@ struct PrefillRuns {
   const int32_t* token_begin = nullptr;  // [n_runs + 1]
   const int32_t* chunk_begin = nullptr;  // [n_runs + 1]
   int n_runs = 0, n_tokens = 0, n_chunks = 0;
+  int max_run_tokens = 0;  // the longest run's tokens (the host knows them; picks the angles kernel)
 };
 
 // Host side of the run table: token_begin and chunk_begin (n_runs + 1 each) from the runs'
@@ -141,6 +142,12 @@ struct PrefillScanPlan {
   // that, the shallow pass, with half its registers, holds twice the blocks an SM and
   // finishes in fewer waves.
   int deep_state_pass_max_runs = 0;
+  // Calls whose longest run has at most this many tokens walk each (run, head, angle) in
+  // one thread, token by token; longer runs take the kernel that splits a run into
+  // segments. That one launches a 1,024-thread block per (head, run, 8 angles) whatever
+  // the run's length, which for many short runs (a burst of short prompts) cost more than
+  // the rest of the scan.
+  int serial_angles_max_tokens = 64;
 };
 
 struct PrefillScanArgs {

@@ -152,14 +152,14 @@ PrefillRunner::PrefillRunner(const ModelConfig& config, const DeviceWeights& wei
     const int chunks =
         kernels::fill_prefill_runs(std::span<const int32_t>(&length, 1), chunk_tokens_, token_begin, chunk_begin);
     CudaGraph graph;  // needed only until instantiated
-    capture_graph(stream, [&] { enqueue(1, t, chunks, stream); }, graph, graphs_[t - 1]);
+    capture_graph(stream, [&] { enqueue(1, t, chunks, t, stream); }, graph, graphs_[t - 1]);
   }
   M3_CUDA_CHECK(cudaStreamSynchronize(stream));
 }
 
 PrefillRunner::~PrefillRunner() = default;
 
-void PrefillRunner::enqueue(int n, int tokens, int chunks, cudaStream_t stream) {
+void PrefillRunner::enqueue(int n, int tokens, int chunks, int max_run_tokens, cudaStream_t stream) {
   const ModelConfig& c = config_;
   const int32_t* d = table_.as<int32_t>();
   kernels::PrefillRuns dev_runs;
@@ -170,6 +170,7 @@ void PrefillRunner::enqueue(int n, int tokens, int chunks, cudaStream_t stream) 
   dev_runs.n_runs = n;
   dev_runs.n_tokens = tokens;
   dev_runs.n_chunks = chunks;
+  dev_runs.max_run_tokens = max_run_tokens;
 
   const float eps = ModelConfig::kNormEps;
   kernels::gather_rows(weights_.embedding, weights_.type, c.padded_vocab(), c.d_model, d + tokens_at(), tokens,
@@ -240,7 +241,7 @@ bool PrefillRunner::run(std::span<const PrefillRun> runs, std::span<const int32_
 
   // The run table: slots, parities, token and chunk offsets, then every run's tokens.
   int32_t* th = table_host_.as<int32_t>();
-  int tokens = 0;
+  int tokens = 0, max_run_tokens = 0;
   for (int i = 0; i < n; ++i) {
     const auto len = static_cast<int32_t>(runs[i].tokens.size());
     if (len < 1 || tokens + len > max_tokens_) {
@@ -254,6 +255,7 @@ bool PrefillRunner::run(std::span<const PrefillRun> runs, std::span<const int32_
     lengths_[i] = len;
     std::copy(runs[i].tokens.begin(), runs[i].tokens.end(), th + tokens_at() + tokens);
     tokens += len;
+    max_run_tokens = std::max(max_run_tokens, len);
   }
   const int chunks = kernels::fill_prefill_runs(std::span<const int32_t>(lengths_.data(), n), chunk_tokens_,
                                                 th + token_begin_at(), th + chunk_begin_at());
@@ -265,7 +267,7 @@ bool PrefillRunner::run(std::span<const PrefillRun> runs, std::span<const int32_
   if (replay) {
     M3_CUDA_CHECK(cudaGraphLaunch(graphs_[tokens - 1], stream));
   } else {
-    enqueue(n, tokens, chunks, stream);
+    enqueue(n, tokens, chunks, max_run_tokens, stream);
   }
   if (!logits.empty()) {
     M3_CUDA_CHECK(cudaMemcpyAsync(logits.data(), buffers_.logits,

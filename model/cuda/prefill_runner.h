@@ -60,9 +60,9 @@ class PrefillRunner {
   int graph_max_tokens() const { return static_cast<int>(graphs_.size()); }
 
  private:
-  // Every kernel of a call of n runs, `tokens` tokens and `chunks` chunks together, whose run
-  // table is on the device: what a graph captures.
-  void enqueue(int n, int tokens, int chunks, cudaStream_t stream);
+  // Every kernel of a call of n runs, `tokens` tokens and `chunks` chunks together (the
+  // longest run max_run_tokens), whose run table is on the device: what a graph captures.
+  void enqueue(int n, int tokens, int chunks, int max_run_tokens, cudaStream_t stream);
 
   // Offsets (in int32) of the run table's parts, host and device alike.
   size_t slot_at() const { return 0; }

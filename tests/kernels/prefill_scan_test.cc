@@ -59,18 +59,22 @@ std::vector<double> widen(const std::vector<float>& v) { return std::vector<doub
 
 // Which state pass a call takes: the plan's, or one of the two whatever the run count.
 enum class StatePass { Planned, Deep, Shallow };
+// Which angles kernel: the plan's (by the longest run), or one of the two whatever the runs.
+enum class AnglesPath { Planned, Serial, Segmented };
 
 // One call of launch_prefill_scan over `lengths` (run i on slot slots[i]); checks o and states.
 void run_call(const GpuCase& c, const std::vector<int>& lengths, const std::vector<int>& slots, uint32_t seed,
-              StatePass pass = StatePass::Planned) {
+              StatePass pass = StatePass::Planned, AnglesPath angles = AnglesPath::Planned) {
   SCOPED_TRACE(name_of(c) + " seed " + std::to_string(seed) +
-               (pass == StatePass::Deep ? ", deep state pass" : pass == StatePass::Shallow ? ", shallow state pass" : ""));
+               (pass == StatePass::Deep ? ", deep state pass" : pass == StatePass::Shallow ? ", shallow state pass" : "") +
+               (angles == AnglesPath::Serial ? ", serial angles" : angles == AnglesPath::Segmented ? ", segmented angles" : ""));
   const twin::ScanDims& d = c.d;
   const bool fp32 = c.precision == ScanPrecision::Fp32;
   const kernels::MimoStateLayout L = kernels::mimo_state_layout(d.H, d.P, d.N, d.R, d.S);
   kernels::PrefillScanDims kd{d.H, d.P, d.N, d.R, d.S, c.precision};
   kernels::PrefillScanPlan plan = kernels::prepare_prefill_scan(kd);
   if (pass != StatePass::Planned) plan.deep_state_pass_max_runs = pass == StatePass::Deep ? 1 << 30 : 0;
+  if (angles != AnglesPath::Planned) plan.serial_angles_max_tokens = angles == AnglesPath::Serial ? 1 << 30 : 0;
   const int n_runs = static_cast<int>(lengths.size());
   const int n_slots = n_runs + 2;  // slot 0 and the last one take no run
   const int64_t slot_stride = 2 * L.floats, layer_offset = L.floats;  // the second of two layers
@@ -117,7 +121,8 @@ void run_call(const GpuCase& c, const std::vector<int>& lengths, const std::vect
   a.state = dstate.get();
   a.slot_stride = slot_stride;
   a.layer_offset = layer_offset;
-  a.runs = kernels::PrefillRuns{dslot.get(), dparity.get(), dtok.get(), dchunk.get(), n_runs, T, n_chunks};
+  a.runs = kernels::PrefillRuns{dslot.get(), dparity.get(), dtok.get(), dchunk.get(), n_runs, T, n_chunks,
+                                *std::max_element(lengths.begin(), lengths.end())};
   a.ws = kernels::prefill_scan_workspace(kd, T, n_runs, ws.get());
   a.o = fp32 ? static_cast<void*>(o32.get()) : static_cast<void*>(o16.get());
   a.o_stride = o_stride;
@@ -286,6 +291,16 @@ TEST_P(PrefillScanGpu, BothStatePassesMatchTheStepTwin) {
   for (const StatePass pass : {StatePass::Deep, StatePass::Shallow}) {
     run_call(GetParam(), {1000, 17}, {2, 1}, 6, pass);
     run_call(GetParam(), {1100}, {1}, 7, pass);
+  }
+}
+
+// The plan picks the angles kernel by the call's longest run; each must hold for any runs:
+// short ones (one thread a run's angle, token by token) and long ones (segments).
+TEST_P(PrefillScanGpu, BothAnglesKernelsMatchTheStepTwin) {
+  M3_REQUIRE_CUDA_DEVICE();
+  for (const AnglesPath angles : {AnglesPath::Serial, AnglesPath::Segmented}) {
+    run_call(GetParam(), {8, 1, 64, 33, 8}, {3, 1, 5, 2, 4}, 8, StatePass::Planned, angles);
+    run_call(GetParam(), {300, 5}, {2, 1}, 9, StatePass::Planned, angles);
   }
 }
 
