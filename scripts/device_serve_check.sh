@@ -112,8 +112,10 @@ print("mixed: 16 streams' inter-token latency p50/p99 ms: alone %.3f/%.3f, while
 PY
   fi
   fi
-  python3 -c "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:9464/metrics').read().decode())" |
-    grep -E '^m3serve' | grep -v _bucket
+  # Every series into the log folder (the histograms' buckets too); their sums and counts here.
+  python3 -c "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:9464/metrics').read().decode())" \
+    >"$OUT/metrics$TAG.txt"
+  grep -E '^m3serve' "$OUT/metrics$TAG.txt" | grep -v _bucket
   kill -TERM "$server"
   wait "$server"
   echo "m3serve exit status: $?"
