@@ -25,6 +25,10 @@ inline constexpr int kMaxP = 64, kMaxN = 128;
 struct ScanParams {
   PrefillScanArgs a;
   MimoStateLayout layout;
+  // Every run of the call is one chunk and the chunk state kernel does the state pass's
+  // work for them (PrefillScanPlan::single_chunk_runs_in_state_kernel, where that kernel
+  // runs on register fragments): no state pass follows.
+  bool whole_runs_in_state_kernel = false;
 };
 
 // A scan kernel launched on `stream`, by programmatic dependent launch when `pdl` (the
@@ -50,6 +54,7 @@ __device__ __forceinline__ int run_of_chunk(const PrefillRuns& runs, int c) {
 // Where chunk c's tokens are: rows [first, first + len) of run `run`, which ends at run_end.
 struct ChunkPlace {
   int run, first, len, run_end;
+  bool whole_run;  // the run's only chunk
 };
 // Every lane of the warp calls this (the chunk kernels do, at their start). Up to 31 runs,
 // lane i reads chunk_begin[i] and token_begin[i] at once, a ballot counts the runs that
@@ -77,6 +82,7 @@ __device__ __forceinline__ ChunkPlace chunk_place(const PrefillScanArgs& a, int 
   p.first = run_token + (c - run_chunk) * chunk_tokens;
   p.run_end = run_end;
   p.len = min(chunk_tokens, p.run_end - p.first);
+  p.whole_run = c == run_chunk && p.first + p.len == p.run_end;
   return p;
 }
 

@@ -62,9 +62,55 @@ __device__ __forceinline__ void stage_chunk(const PrefillScanArgs& a, const Stat
   cp_async_commit();
 }
 
+// The slot's state of one head for a run that is a single chunk, where this kernel does the
+// state pass's work (ScanParams::whole_runs_in_state_kernel).
+struct WholeRunHead {
+  float* ssm;                 // [P][N] fp32, or bf16 (ssm_bf16) at the same address
+  bool ssm_bf16;
+  const float* x_prev;        // [P]
+  const float* k_prev;        // [R][N], the parity's half
+  __nv_bfloat16* state_in;    // the chunk's S~ [P][N], for the output kernel
+  float nb, decay;            // the previous token's weight at the run's first step; the chunk's decay
+};
+
+// Entries (p, n) and (p, n + 1): S~ = ssm + nb x_prev[p] sum_r mimo_x[r][p] k_prev[r][n],
+// stored for the output kernel, and the new state decay * S~ + dS. The same operations in
+// the same order and roundings as prefill_state_pass_kernel over a run of one chunk (dS
+// rounded to bf16 as it would be stored for the pass), so either path gives the same bits.
+__device__ __forceinline__ void finish_whole_run_pair(const WholeRunHead& w, const float* mx, int R, int P, int N, int p,
+                                                      int n, float d0, float d1) {
+  const int64_t at = (int64_t)p * N + n;
+  float s0, s1;
+  if (w.ssm_bf16) {
+    const __nv_bfloat162 v = *reinterpret_cast<const __nv_bfloat162*>(reinterpret_cast<const __nv_bfloat16*>(w.ssm) + at);
+    s0 = __low2float(v);
+    s1 = __high2float(v);
+  } else {
+    const float2 v = *reinterpret_cast<const float2*>(w.ssm + at);
+    s0 = v.x;
+    s1 = v.y;
+  }
+  const float xp = w.x_prev[p];
+  for (int r = 0; r < R; ++r) {
+    const float coef = w.nb * (xp * mx[r * P + p]);
+    s0 = fmaf(coef, w.k_prev[r * N + n], s0);
+    s1 = fmaf(coef, w.k_prev[r * N + n + 1], s1);
+  }
+  store_pair(w.state_in + at, s0, s1);
+  const __nv_bfloat162 d = __floats2bfloat162_rn(d0, d1);
+  s0 = fmaf(w.decay, s0, __low2float(d));
+  s1 = fmaf(w.decay, s1, __high2float(d));
+  if (w.ssm_bf16) {
+    store_pair(reinterpret_cast<__nv_bfloat16*>(w.ssm) + at, s0, s1);
+  } else {
+    store_pair(w.ssm + at, s0, s1);
+  }
+}
+
 // dS[p][n] = sum_j XvW[j][p] K[j][n]; warp w takes rows p of tile w % (P/16) and the 64
-// columns n of group w / (P/16).
-template <int kH2, int kR>
+// columns n of group w / (P/16). kWholeRuns: every run of the call is this one chunk, and
+// the block finishes its head's state (finish_whole_run_pair) instead of storing dS.
+template <int kH2, int kR, bool kWholeRuns>
 __global__ void __launch_bounds__(kThreads) prefill_chunk_state_tc_kernel(const ScanParams prm, const StateSmem sm) {
   constexpr int kN = kH2 * 32, R = kR;
   const PrefillScanArgs& a = prm.a;
@@ -117,6 +163,21 @@ __global__ void __launch_bounds__(kThreads) prefill_chunk_state_tc_kernel(const 
 
   const int p_tiles = P / 16, jobs = p_tiles * ((kN + 63) / 64);
   __nv_bfloat16* delta = static_cast<__nv_bfloat16*>(a.ws.chunk_delta) + ((int64_t)c * H + h) * P * kN;
+  WholeRunHead whole{};
+  if constexpr (kWholeRuns) {
+    const int run = cp.run, parity = a.runs.parity[run] & 1;
+    float* st = a.state + a.runs.slot[run] * a.slot_stride + a.layer_offset;
+    whole.ssm = st + prm.layout.ssm + (int64_t)h * P * kN;
+    if (prm.layout.ssm_bf16) {
+      whole.ssm = reinterpret_cast<float*>(reinterpret_cast<__nv_bfloat16*>(st + prm.layout.ssm) + (int64_t)h * P * kN);
+    }
+    whole.ssm_bf16 = prm.layout.ssm_bf16;
+    whole.x_prev = st + prm.layout.x_prev + h * P;
+    whole.k_prev = st + prm.layout.k_prev + (int64_t)parity * H * R * kN + (int64_t)h * R * kN;
+    whole.state_in = static_cast<__nv_bfloat16*>(a.ws.chunk_state_in) + ((int64_t)c * H + h) * P * kN;
+    whole.nb = a.ws.tok_bterm[(int64_t)cp.first * H + h];
+    whole.decay = expf(reinterpret_cast<const float*>(base + sm.terms)[cp.len - 1]);
+  }
   for (int job = warp; job < jobs; job += kThreads / 32) {
     const int pt = job % p_tiles, ng = job / p_tiles;
     const int nts = min(8, kN / 8 - ng * 8);  // 8-column tiles of this group (4 when N is 32 or 96's last)
@@ -147,8 +208,14 @@ __global__ void __launch_bounds__(kThreads) prefill_chunk_state_tc_kernel(const 
     for (int nt = 0; nt < 8; ++nt) {
       if (nt < nts) {
         const int p = pt * 16 + g, n = ng * 64 + nt * 8 + 2 * cq;
-        store_pair(delta + (int64_t)p * kN + n, acc[nt][0], acc[nt][1]);
-        store_pair(delta + (int64_t)(p + 8) * kN + n, acc[nt][2], acc[nt][3]);
+        if constexpr (kWholeRuns) {
+          const float* mx = reinterpret_cast<const float*>(base + sm.mx);
+          finish_whole_run_pair(whole, mx, R, P, kN, p, n, acc[nt][0], acc[nt][1]);
+          finish_whole_run_pair(whole, mx, R, P, kN, p + 8, n, acc[nt][2], acc[nt][3]);
+        } else {
+          store_pair(delta + (int64_t)p * kN + n, acc[nt][0], acc[nt][1]);
+          store_pair(delta + (int64_t)(p + 8) * kN + n, acc[nt][2], acc[nt][3]);
+        }
       }
     }
   }
@@ -160,8 +227,10 @@ __global__ void __launch_bounds__(kThreads) prefill_chunk_state_tc_kernel(const 
 int chunk_state_tc_smem_bytes(const PrefillScanDims& d) { return state_smem(d).bytes; }
 
 void prepare_chunk_state_tc() {
-  set_every_shape_smem_limit([&]<int kH2, int kR>() { return prefill_chunk_state_tc_kernel<kH2, kR>; },
+  set_every_shape_smem_limit([&]<int kH2, int kR>() { return prefill_chunk_state_tc_kernel<kH2, kR, false>; },
                              "prefill chunk state kernel");
+  set_every_shape_smem_limit([&]<int kH2, int kR>() { return prefill_chunk_state_tc_kernel<kH2, kR, true>; },
+                             "prefill chunk state kernel (whole runs)");
 }
 
 }  // namespace m3::kernels::prefill_detail::tc
@@ -169,8 +238,13 @@ void prepare_chunk_state_tc() {
 namespace m3::kernels::prefill_detail {
 
 void launch_chunk_state_tc(const ScanParams& prm, cudaStream_t stream) {
-  tc::launch_chunk_kernel(prm, tc::state_smem(prm.a.dims), stream,
-                          [&]<int kH2, int kR>() { return tc::prefill_chunk_state_tc_kernel<kH2, kR>; });
+  if (prm.whole_runs_in_state_kernel) {
+    tc::launch_chunk_kernel(prm, tc::state_smem(prm.a.dims), stream,
+                            [&]<int kH2, int kR>() { return tc::prefill_chunk_state_tc_kernel<kH2, kR, true>; });
+  } else {
+    tc::launch_chunk_kernel(prm, tc::state_smem(prm.a.dims), stream,
+                            [&]<int kH2, int kR>() { return tc::prefill_chunk_state_tc_kernel<kH2, kR, false>; });
+  }
 }
 
 }  // namespace m3::kernels::prefill_detail

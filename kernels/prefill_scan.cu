@@ -629,20 +629,24 @@ int deep_state_pass_max_runs(const PrefillScanDims& d) {
 }
 
 template <typename Op>
-void launch_chunks(const ScanParams& prm, cudaStream_t stream) {
+void launch_chunks(ScanParams prm, cudaStream_t stream) {
   using Sm = ChunkSmem<Op>;
   const PrefillScanArgs& a = prm.a;
   const int H = a.dims.heads, P = a.dims.headdim, N = a.dims.d_state;
   const bool tc = sizeof(Op) == 2 && chunk_tc_applies(a);
+  prm.whole_runs_in_state_kernel =
+      tc && a.plan.single_chunk_runs_in_state_kernel && a.runs.n_chunks == a.runs.n_runs;
   if (tc) {
     launch_chunk_state_tc(prm, stream);
   } else {
     launch_scan_kernel(prefill_chunk_state_kernel<Op>, dim3(a.runs.n_chunks, H), kStateThreads, Sm::kStateBytes,
                        stream, a.pdl, prm);
   }
-  const bool deep = a.runs.n_runs <= a.plan.deep_state_pass_max_runs;
-  launch_scan_kernel(deep ? prefill_state_pass_kernel<Op, kDeepPassBytes> : prefill_state_pass_kernel<Op, kShallowPassBytes>,
-                     dim3(state_pass_tiles(P, N), H, a.runs.n_runs), kStateThreads, 0, stream, a.pdl, prm);
+  if (!prm.whole_runs_in_state_kernel) {
+    const bool deep = a.runs.n_runs <= a.plan.deep_state_pass_max_runs;
+    launch_scan_kernel(deep ? prefill_state_pass_kernel<Op, kDeepPassBytes> : prefill_state_pass_kernel<Op, kShallowPassBytes>,
+                       dim3(state_pass_tiles(P, N), H, a.runs.n_runs), kStateThreads, 0, stream, a.pdl, prm);
+  }
   if (tc) {
     launch_chunk_output_tc(prm, stream);
     return;

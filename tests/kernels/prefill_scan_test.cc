@@ -62,9 +62,19 @@ enum class StatePass { Planned, Deep, Shallow };
 // Which angles kernel: the plan's (by the longest run), or one of the two whatever the runs.
 enum class AnglesPath { Planned, Serial, Segmented };
 
+// Where a call of runs of one chunk each finishes their states: planned (the chunk state
+// kernel, where it runs on register fragments), or the state pass.
+enum class WholeRuns { Planned, StatePass };
+
+// What a call left: o (as fp32) and every slot's state.
+struct CallResult {
+  std::vector<float> o, state;
+};
+
 // One call of launch_prefill_scan over `lengths` (run i on slot slots[i]); checks o and states.
-void run_call(const GpuCase& c, const std::vector<int>& lengths, const std::vector<int>& slots, uint32_t seed,
-              StatePass pass = StatePass::Planned, AnglesPath angles = AnglesPath::Planned) {
+CallResult run_call(const GpuCase& c, const std::vector<int>& lengths, const std::vector<int>& slots, uint32_t seed,
+                    StatePass pass = StatePass::Planned, AnglesPath angles = AnglesPath::Planned,
+                    WholeRuns whole = WholeRuns::Planned) {
   SCOPED_TRACE(name_of(c) + " seed " + std::to_string(seed) +
                (pass == StatePass::Deep ? ", deep state pass" : pass == StatePass::Shallow ? ", shallow state pass" : "") +
                (angles == AnglesPath::Serial ? ", serial angles" : angles == AnglesPath::Segmented ? ", segmented angles" : ""));
@@ -75,6 +85,7 @@ void run_call(const GpuCase& c, const std::vector<int>& lengths, const std::vect
   kernels::PrefillScanPlan plan = kernels::prepare_prefill_scan(kd);
   if (pass != StatePass::Planned) plan.deep_state_pass_max_runs = pass == StatePass::Deep ? 1 << 30 : 0;
   if (angles != AnglesPath::Planned) plan.serial_angles_max_tokens = angles == AnglesPath::Serial ? 1 << 30 : 0;
+  if (whole == WholeRuns::StatePass) plan.single_chunk_runs_in_state_kernel = false;
   const int n_runs = static_cast<int>(lengths.size());
   const int n_slots = n_runs + 2;  // slot 0 and the last one take no run
   const int64_t slot_stride = 2 * L.floats, layer_offset = L.floats;  // the second of two layers
@@ -244,6 +255,7 @@ void run_call(const GpuCase& c, const std::vector<int>& lengths, const std::vect
     EXPECT_EQ(0, std::memcmp(state.data() + s * slot_stride, state0.data() + s * slot_stride, sizeof(float) * slot_stride))
         << "slot " << s << " took no run but changed";
   }
+  return {o, state};
 }
 
 twin::ScanDims dims(int H, int P, int N, int R, double rope, bool out_norm, bool mimo_rotation = true) {
@@ -301,6 +313,29 @@ TEST_P(PrefillScanGpu, BothAnglesKernelsMatchTheStepTwin) {
   for (const AnglesPath angles : {AnglesPath::Serial, AnglesPath::Segmented}) {
     run_call(GetParam(), {8, 1, 64, 33, 8}, {3, 1, 5, 2, 4}, 8, StatePass::Planned, angles);
     run_call(GetParam(), {300, 5}, {2, 1}, 9, StatePass::Planned, angles);
+  }
+}
+
+// Runs of one chunk each (a burst of short prompts): the chunk state kernel finishes their
+// states itself, with the state pass's arithmetic, so both paths give the same bits.
+TEST_P(PrefillScanGpu, RunsOfOneChunkFinishedByEitherKernelAlike) {
+  M3_REQUIRE_CUDA_DEVICE();
+  // Six runs (a chunk finds its run by one warp-wide lookup) and forty (by a search).
+  std::vector<int> many, many_slots;
+  for (int i = 0; i < 40; ++i) {
+    many.push_back(1 + (i * 7) % 16);
+    many_slots.push_back(40 - i);
+  }
+  for (const auto& [lengths, slots] : {std::pair{std::vector<int>{8, 1, 32, 5, 8, 31}, std::vector<int>{3, 1, 5, 2, 6, 4}},
+                                       std::pair{many, many_slots}}) {
+    const CallResult planned = run_call(GetParam(), lengths, slots, 10);
+    const CallResult passed = run_call(GetParam(), lengths, slots, 10, StatePass::Planned, AnglesPath::Planned,
+                                       WholeRuns::StatePass);
+    ASSERT_EQ(planned.o.size(), passed.o.size());
+    ASSERT_EQ(planned.state.size(), passed.state.size());
+    EXPECT_EQ(0, std::memcmp(planned.o.data(), passed.o.data(), sizeof(float) * planned.o.size())) << "o";
+    EXPECT_EQ(0, std::memcmp(planned.state.data(), passed.state.data(), sizeof(float) * planned.state.size()))
+        << "states";
   }
 }
 
