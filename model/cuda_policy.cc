@@ -133,7 +133,7 @@ Table make_table() {
                     "the step's projections as cuBLASLt GEMMs (RMSNorm in its own kernel) from this batch: planned "
                     "(128) | N | never (the gemvs at every batch)");
   t.add_int("buckets_per_octave", M3_ACCESS(int, buckets_per_octave), nullptr,
-            "decode graphs between one power of two and the next from batch 64 (1, 2, 4 or 8): a batch runs "
+            "decode graphs between one power of two and the next from batch 64 (1, 2, 4, 8 or 16): a batch runs "
             "at the smallest that holds it");
   t.add_enum("prefill", M3_ACCESS(PrefillPath, prefill), &kPrefillPath,
              "how prefill() reads a run: auto (chunked where the model's shape allows, else steps) | steps (a "
@@ -215,7 +215,7 @@ void CudaPolicy::validate() const {
   if (projection_gemm_min_batch < -1) {
     refuse("projection_gemm_min_batch", "-1 (planned), 0 (never) or more", projection_gemm_min_batch);
   }
-  if (!decode_buckets_refusal(buckets_per_octave).empty()) refuse("buckets_per_octave", "1, 2, 4 or 8", buckets_per_octave);
+  if (!decode_buckets_refusal(buckets_per_octave).empty()) refuse("buckets_per_octave", "1, 2, 4, 8 or 16", buckets_per_octave);
   const StepVariantPolicy& v = step_variants;
   if (v.batch1_gemv_rows_per_warp != 0 && v.batch1_gemv_rows_per_warp != 2 && v.batch1_gemv_rows_per_warp != 4) {
     refuse("step_variants.batch1_gemv_rows_per_warp", "0 (measure), 2 or 4", v.batch1_gemv_rows_per_warp);

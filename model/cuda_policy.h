@@ -42,7 +42,7 @@ struct CudaPolicy {
   // and recurrence.trigger) and between the chunked prefill's scan kernels.
   bool pdl = true;
   // Chains a bucket splits into, side by side (each the whole step for its share of the
-  // rows): 0 planned (two from batch 32), or 1 to 4 at every bucket.
+  // rows): 0 planned (model/step_shape.h), or 1 to 4 at every bucket.
   int chains = 0;
   // The sampling kernel's extra blocks pull the next step's first weights into L2.
   bool next_step_prefetch = true;
@@ -52,11 +52,11 @@ struct CudaPolicy {
   int recurrence_fuse_max_batch = 2;
   // The step's projections (in_proj, out_proj, the MLP, lm_head) as cuBLASLt GEMMs, each
   // with RMSNorm as its own row kernel, in the buckets from this batch (0: never, the gemvs
-  // everywhere; -1 planned by the state's type, model/cuda/step_gemms.h).
+  // everywhere; -1 planned, model/step_shape.h).
   int projection_gemm_min_batch = -1;
   // Decode graphs between one power of two and the next from batch 64 (model/decode_buckets.h):
   // a batch runs at the smallest that holds it; 1: powers of two only.
-  int buckets_per_octave = 8;
+  int buckets_per_octave = 16;
   PrefillPath prefill = PrefillPath::Auto;
   // Chunked prefill: a call of one run of at most this many tokens replays a CUDA graph
   // captured at load for its length (0: never), which takes the launch gaps of the ~8

@@ -5,8 +5,8 @@
 namespace m3 {
 
 std::string decode_buckets_refusal(int per_octave) {
-  if (per_octave == 1 || per_octave == 2 || per_octave == 4 || per_octave == 8) return "";
-  return "must be 1, 2, 4 or 8, got " + std::to_string(per_octave);
+  if (per_octave == 1 || per_octave == 2 || per_octave == 4 || per_octave == 8 || per_octave == 16) return "";
+  return "must be 1, 2, 4, 8 or 16, got " + std::to_string(per_octave);
 }
 
 std::vector<int> decode_bucket_sizes(int max_slots, int per_octave) {

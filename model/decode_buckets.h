@@ -3,7 +3,7 @@
 // slot, so a bucket's step costs its full size. Powers of two up to 64, where the step is
 // mostly the weights' bytes and nearly flat in the batch; above, where it is mostly the
 // states' and grows with the batch, `per_octave` buckets between each power of two and
-// the next (8: 64, 72, ..., 120, 128, 144, ...), so that a batch pays at most 1/per_octave
+// the next (16: 64, 68, ..., 124, 128, 136, ...), so that a batch pays at most 1/per_octave
 // more than its size; then max_slots itself.
 #pragma once
 
@@ -14,7 +14,7 @@ namespace m3 {
 
 inline constexpr int kFineBucketsFrom = 64;
 
-// Why `per_octave` is not a bucket count this rule takes (empty: it is): 1, 2, 4 or 8.
+// Why `per_octave` is not a bucket count this rule takes (empty: it is): 1, 2, 4, 8 or 16.
 std::string decode_buckets_refusal(int per_octave);
 // Ascending, distinct, the last max_slots (>= 1).
 std::vector<int> decode_bucket_sizes(int max_slots, int per_octave);

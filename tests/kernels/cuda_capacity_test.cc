@@ -1,5 +1,5 @@
 // The CUDA side of max_batch auto and state_dtype: auto asks the device's
-// free memory and sizes from it; an engine of 4096 slots (55 buckets, the largest 4096)
+// free memory and sizes from it; an engine of 4096 slots (103 buckets, the largest 4096)
 // steps them all and gives a slot what the CPU engine gives it; state_dtype bf16 halves
 // the ssm bytes and steps as the CPU engine's bf16 state does.
 #include <gtest/gtest.h>

@@ -12,7 +12,7 @@ namespace {
 TEST(CudaPolicyTest, DefaultsAreThePlannedStep) {
   EXPECT_EQ(to_string(CudaPolicy{}),
             "pdl=true chains=planned next_step_prefetch=true recurrence_tensor_core_min_batch=1 "
-            "recurrence_fuse_max_batch=2 projection_gemm_min_batch=planned buckets_per_octave=8 prefill=auto prefill_graph_max_tokens=512 "
+            "recurrence_fuse_max_batch=2 projection_gemm_min_batch=planned buckets_per_octave=16 prefill=auto prefill_graph_max_tokens=512 "
             "step_variants.out_proj_fused=measure "
             "step_variants.embedding_gathered=measure step_variants.batch1_gemv_rows_per_warp=measure "
             "step_variants.batch2_gemv=measure step_variants.fused_cluster=measure gemv.trigger=before_wait "
@@ -60,7 +60,7 @@ TEST(CudaPolicyTest, RefusesValuesNoPlannerTakesNamingTheField) {
   EXPECT_EQ(refusal([](CudaPolicy& p) { p.recurrence_fuse_max_batch = -1; }),
             "cuda.recurrence_fuse_max_batch must be 0 or more, got -1");
   EXPECT_EQ(refusal([](CudaPolicy& p) { p.buckets_per_octave = 3; }),
-            "cuda.buckets_per_octave must be 1, 2, 4 or 8, got 3");
+            "cuda.buckets_per_octave must be 1, 2, 4, 8 or 16, got 3");
   EXPECT_EQ(refusal([](CudaPolicy& p) { p.prefill_graph_max_tokens = 4096; }),
             "cuda.prefill_graph_max_tokens must be 0 (never) to 2048, got 4096");
   EXPECT_EQ(refusal([](CudaPolicy& p) { p.projection_gemm_min_batch = -2; }),

@@ -17,6 +17,9 @@ TEST(DecodeBuckets, PowersOfTwoUpTo64ThenEighthsOfEachOctave) {
   EXPECT_EQ(decode_bucket_sizes(100, 8), (std::vector<int>{1, 2, 4, 8, 16, 32, 64, 72, 80, 88, 96, 100}));
   EXPECT_EQ(decode_bucket_sizes(300, 4),
             (std::vector<int>{1, 2, 4, 8, 16, 32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 300}));
+  EXPECT_EQ(decode_bucket_sizes(1300, 16)[decode_bucket_sizes(1300, 16).size() - 5], 1088);
+  EXPECT_EQ(decode_bucket_sizes(1300, 16).back(), 1300);
+  EXPECT_EQ(decode_bucket_sizes(1300, 16)[decode_bucket_sizes(1300, 16).size() - 2], 1280);
   // One a power of two: the plan of powers of two only.
   EXPECT_EQ(decode_bucket_sizes(1024, 1), (std::vector<int>{1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024}));
 }
@@ -33,7 +36,8 @@ TEST(DecodeBuckets, NoBatchFrom64PaysMoreThanAnEighthOverItsSize) {
 }
 
 TEST(DecodeBuckets, OtherCountsAreRefusedByName) {
-  EXPECT_EQ(decode_buckets_refusal(3), "must be 1, 2, 4 or 8, got 3");
+  EXPECT_EQ(decode_buckets_refusal(3), "must be 1, 2, 4, 8 or 16, got 3");
+  EXPECT_EQ(decode_buckets_refusal(32), "must be 1, 2, 4, 8 or 16, got 32");
   EXPECT_THROW(decode_bucket_sizes(64, 0), std::invalid_argument);
   EXPECT_THROW(decode_bucket_sizes(0, 8), std::invalid_argument);
 }
