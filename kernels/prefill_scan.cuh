@@ -15,22 +15,26 @@
 // added (S~ = S + (1-trap_c) dt_c xv_{c-1} k_{c-1}^T; for the run's first chunk that is the
 // slot's state plus its x_prev/k_prev term). Every exponent is <= 0.
 //
-// Kernels, in stream order (launch_prefill_scan runs all five):
+// Kernels, in stream order (launch_prefill_scan runs all five, or four):
 //   1. token params (per token): dt, a = A*dt, gamma, (1-trap)*dt per head; B and C
 //      RMSNorm (head-independent with one group) into the workspace, in fp32 and fp16.
 //   2. angles (per run, head, angle): theta_t as a running sum from the slot's angle state
-//      (segment sums, then warp scans); writes cos and sin of theta_t for every token (the
+//      (segment sums, then warp scans; for calls of short runs only, a thread walking a
+//      run's angle token by token); writes cos and sin of theta_t for every token (the
 //      chunk kernels rotate with them) and the slot's final angle (parity (p + T) & 1).
 //   3. chunk state (per chunk, head): dS = Xv^T diag(exp(L_e - L_s) u_s) K on tensor cores.
 //   4. state pass (per run, head, state tile): S~ entering every chunk, in chunk order;
-//      reads the slot's ssm, x_prev and k_prev (parity p) and writes the final ssm.
+//      reads the slot's ssm, x_prev and k_prev (parity p) and writes the final ssm. Not
+//      launched for a call whose runs are one chunk each, where kernel 3 (register-fragment
+//      form) does the same for its chunk (PrefillScanPlan::single_chunk_runs_in_state_kernel).
 //   5. chunk output (per chunk, head): y = exp(L) .* (Q S~^T) + ((Q K^T) .* M) Xv + D Xv on
 //      tensor cores, then the gate, the optional grouped RMSNorm and mimo_o into o; the
 //      run's last chunk writes k_prev (parity (p + T) & 1) and x_prev.
 // Kernels 3 and 5 run in their register-fragment forms (kernels/prefill_chunk_*_tc.cu) for
 // bf16 operands, MIMO heads and d_state a multiple of 32; the forms here take every shape.
-// Only kernel 4 reads ssm/x_prev/k_prev and only kernel 5 writes k_prev/x_prev, so runs of
-// even length (old and new parity the same buffer) are safe: stream order separates them.
+// Only kernel 4 (or 3 in its place) reads ssm/x_prev/k_prev and only kernel 5 writes
+// k_prev/x_prev, so runs of even length (old and new parity the same buffer) are safe:
+// stream order separates them.
 //
 // Precision: Bf16TensorCores rounds the products' operands (q, k, xv, the masked Q K^T and
 // the incoming state) to bf16 with fp32 accumulation, for bf16-weight engines (logits
