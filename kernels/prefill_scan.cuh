@@ -155,8 +155,8 @@ struct PrefillScanPlan {
   // A run of one chunk (a short prompt) has nothing for the state pass to chain: where the
   // chunk state kernel runs on register fragments, that kernel also does the pass's work
   // for such runs (the slot's state plus the previous token's term is the chunk's S~; the
-  // new state is S~ decayed plus the chunk's delta, in the same roundings), so the state
-  // passes over their heads twice less, and a call of only such runs launches no pass.
+  // new state is S~ decayed plus the chunk's delta, in the same roundings): the chunk's
+  // delta is never stored and read back, and a call of only such runs launches no pass.
   bool single_chunk_runs_in_state_kernel = true;
 };
 
