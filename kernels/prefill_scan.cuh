@@ -152,11 +152,11 @@ struct PrefillScanPlan {
   // the run's length, which for many short runs (a burst of short prompts) cost more than
   // the rest of the scan.
   int serial_angles_max_tokens = 64;
-  // A run of one chunk (a short prompt) has nothing for the state pass to chain: where the
-  // chunk state kernel runs on register fragments, that kernel also does the pass's work
-  // for such runs (the slot's state plus the previous token's term is the chunk's S~; the
-  // new state is S~ decayed plus the chunk's delta, in the same roundings): the chunk's
-  // delta is never stored and read back, and a call of only such runs launches no pass.
+  // A run of one chunk (a short prompt) has nothing for the state pass to chain. In a call
+  // whose runs are all one chunk, where the chunk state kernel runs on register fragments,
+  // that kernel also does the pass's work (the slot's state plus the previous token's term
+  // is the chunk's S~; the new state is S~ decayed plus the chunk's delta, in the same
+  // roundings): the deltas are never stored and read back, and no pass is launched.
   bool single_chunk_runs_in_state_kernel = true;
 };
 
