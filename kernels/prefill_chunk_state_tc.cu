@@ -167,10 +167,8 @@ __global__ void __launch_bounds__(kThreads) prefill_chunk_state_tc_kernel(const 
   if constexpr (kWholeRuns) {
     const int run = cp.run, parity = a.runs.parity[run] & 1;
     float* st = a.state + a.runs.slot[run] * a.slot_stride + a.layer_offset;
-    whole.ssm = st + prm.layout.ssm + (int64_t)h * P * kN;
-    if (prm.layout.ssm_bf16) {
-      whole.ssm = reinterpret_cast<float*>(reinterpret_cast<__nv_bfloat16*>(st + prm.layout.ssm) + (int64_t)h * P * kN);
-    }
+    // A bf16 ssm part: the head's rows start h * P * N bf16 values (half as many floats) in.
+    whole.ssm = st + prm.layout.ssm + (prm.layout.ssm_bf16 ? (int64_t)h * P * kN / 2 : (int64_t)h * P * kN);
     whole.ssm_bf16 = prm.layout.ssm_bf16;
     whole.x_prev = st + prm.layout.x_prev + h * P;
     whole.k_prev = st + prm.layout.k_prev + (int64_t)parity * H * R * kN + (int64_t)h * R * kN;

@@ -595,13 +595,7 @@ __global__ void __launch_bounds__(ChunkSmem<Op>::kThreadsOut, 2) prefill_chunk_o
       }
     }
 #pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      if (a.o_bf16) {
-        static_cast<__nv_bfloat16*>(a.o)[row * a.o_stride + h * P + p + k] = __float2bfloat16_rn(out[k]);
-      } else {
-        static_cast<float*>(a.o)[row * a.o_stride + h * P + p + k] = out[k];
-      }
-    }
+    for (int k = 0; k < 4; ++k) store_output(a.o, a.o_bf16, row * a.o_stride + h * P + p + k, out[k]);
   }
   if (cp.first + cp.len == cp.run_end) write_last_token_prev(prm, cp, h, kThreads);
 }
